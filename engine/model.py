@@ -1,0 +1,342 @@
+"""Typed wrapper over the C engine: `Model` and `Session`.
+
+The wrapper validates config.json and every shard header in Python (strict readers in
+`config`, `safetensors_io`, `catalog`), then hands the C engine a flat config struct and a
+table of tensor descriptors. The engine does all weight I/O and math. cffi releases the
+GIL during engine calls, so a UI thread stays live while a token is computed; one lock
+per handle keeps calls on a handle serial.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .catalog import bind
+from .config import ModelConfig, load_config
+from .errors import CheckpointError
+from .safetensors_io import Checkpoint, open_checkpoint
+
+__all__ = [
+    "EngineError", "ExpertReadError", "TrunkReadError", "Cancelled", "Model", "Session",
+    "CancelFlag", "StateArrays",
+]
+
+_DTYPES = {"U8": 0, "BF16": 1, "F16": 2, "F32": 3}
+
+
+def _lib() -> tuple[Any, Any]:
+    from ._k3 import ffi, lib  # built by cffi at install time
+    return ffi, lib
+
+
+class EngineError(RuntimeError):
+    """An engine call failed; `code` is the engine status, the message its detail text."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class ExpertReadError(EngineError):
+    """A routed expert could not be read or failed its checks (status 4)."""
+
+
+class TrunkReadError(EngineError):
+    """A trunk tensor read failed (status 6)."""
+
+
+class Cancelled(EngineError):
+    """The step was cancelled through the cancel flag (status 5)."""
+
+
+def _raise(code: int, detail: str) -> None:
+    if code == 0:
+        return
+    cls = {4: ExpertReadError, 5: Cancelled, 6: TrunkReadError}.get(code, EngineError)
+    raise cls(code, detail)
+
+
+class CancelFlag:
+    """A flag the engine polls between layers; set it from any thread."""
+
+    def __init__(self) -> None:
+        ffi, _ = _lib()
+        self._cell = ffi.new("int32_t *", 0)
+
+    def set(self) -> None:
+        self._cell[0] = 1
+
+    def clear(self) -> None:
+        self._cell[0] = 0
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self._cell[0])
+
+
+def engine_config(cfg: ModelConfig) -> Any:
+    """The C struct for a validated config."""
+    ffi, lib = _lib()
+    if cfg.n_layers > lib.K3_MAX_LAYERS:
+        raise CheckpointError(f"{cfg.n_layers} layers exceed the engine limit {lib.K3_MAX_LAYERS}")
+    c = ffi.new("k3_config *")
+    c.hidden, c.n_layers, c.vocab = cfg.hidden, cfg.n_layers, cfg.vocab
+    c.rms_eps = cfg.rms_eps
+    c.kda_heads, c.kda_head_dim, c.conv_kernel = cfg.kda_heads, cfg.kda_head_dim, cfg.conv_kernel
+    c.gate_lower_bound = cfg.gate_lower_bound
+    c.mla_heads, c.q_lora_rank, c.kv_lora_rank = cfg.mla_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+    c.n_experts, c.top_k, c.shared_width = cfg.n_experts, cfg.top_k, cfg.shared_width
+    c.latent_dim, c.expert_width, c.dense_width = cfg.latent_dim, cfg.expert_width, cfg.dense_width
+    c.first_dense = cfg.first_dense
+    c.moe_renormalize = 1 if cfg.moe_renormalize else 0
+    c.routed_scaling = cfg.routed_scaling
+    c.situ_beta1, c.situ_beta2 = cfg.situ_beta1, cfg.situ_beta2
+    c.attn_res_block = cfg.attn_res_block
+    for L in range(cfg.n_layers):
+        c.layer_is_mla[L] = 1 if cfg.is_mla(L) else 0
+    return c
+
+
+@dataclass(frozen=True)
+class StateArrays:
+    """A session's state decoded from the engine's export layout (k3_state.c)."""
+
+    ids: np.ndarray
+    kda_s: list[np.ndarray]      # per KDA layer [H_k, D, D]
+    kda_conv: list[np.ndarray]   # per KDA layer [3, P, K-1]
+    mla_rows: list[np.ndarray]   # per MLA layer [len, kv_lora + rope]
+
+
+class Model:
+    """An open checkpoint: validated tensors resident in the C engine."""
+
+    def __init__(self, model_dir: str | Path, *, threads: int = 1, scalar: bool = False) -> None:
+        ffi, lib = _lib()
+        self.dir = Path(model_dir)
+        self.config: ModelConfig = load_config(self.dir)
+        self.checkpoint: Checkpoint = open_checkpoint(self.dir)
+        bind(self.config, self.checkpoint)
+        self._lock = threading.Lock()
+        shards = self.checkpoint.shards
+        shard_ix = {s: i for i, s in enumerate(shards)}
+        keep: list[Any] = []
+        paths = ffi.new("char *[]", len(shards))
+        for i, s in enumerate(shards):
+            p = ffi.new("char[]", str(self.checkpoint.path(s)).encode())
+            keep.append(p)
+            paths[i] = p
+        infos = list(self.checkpoint.tensors.values())
+        descs = ffi.new("k3_tensor_desc[]", len(infos))
+        for d, t in zip(descs, infos):
+            nm = ffi.new("char[]", t.name.encode())
+            keep.append(nm)
+            d.name = nm
+            d.shard = shard_ix[t.shard]
+            d.dtype = _DTYPES[t.dtype]
+            d.ndim = len(t.shape)
+            if d.ndim > 4:
+                raise CheckpointError(f"tensor {t.name} has {d.ndim} dimensions; at most 4 are supported")
+            for i, n in enumerate(t.shape):
+                d.shape[i] = n
+            d.offset = t.start
+            d.nbytes = t.nbytes
+        err = ffi.new("char[]", 1024)
+        out = ffi.new("k3_model **")
+        rc = lib.k3_model_open(engine_config(self.config), paths, len(shards), descs, len(infos), out, err, 1024)
+        _raise(rc, ffi.string(err).decode(errors="replace"))
+        self._h = ffi.gc(out[0], lib.k3_model_close)
+        self.set_threads(threads)
+        self.set_scalar(scalar)
+
+    # ---- settings ----
+    def set_threads(self, n: int) -> None:
+        self._call("k3_model_set_threads", int(n))
+
+    def set_scalar(self, on: bool) -> None:
+        self._call("k3_model_set_scalar", 1 if on else 0)
+
+    @property
+    def simd_active(self) -> bool:
+        _, lib = _lib()
+        return bool(lib.k3_model_simd_active(self._h))
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab
+
+    def stats(self) -> dict[str, int]:
+        ffi, lib = _lib()
+        st = ffi.new("k3_stats *")
+        lib.k3_model_stats(self._h, st)
+        return {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
+
+    def _call(self, fn: str, *args: Any) -> None:
+        ffi, lib = _lib()
+        with self._lock:
+            rc = getattr(lib, fn)(self._h, *args)
+            if rc:
+                _raise(rc, ffi.string(lib.k3_model_error(self._h)).decode(errors="replace"))
+
+    # ---- compute ----
+    def forward(self, ids: Sequence[int], *, shared_kda_slot: bool = False) -> np.ndarray:
+        """Stateless full forward: float32 logits [len(ids), V] for every position."""
+        ffi, _ = _lib()
+        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int32))
+        out = np.empty((len(arr), self.vocab), dtype=np.float32)
+        self._call("k3_model_forward", ffi.from_buffer("int32_t[]", arr), len(arr),
+                   ffi.from_buffer("float[]", out), 1 if shared_kda_slot else 0)
+        return out
+
+    def session(self, max_positions: int) -> "Session":
+        return Session(self, max_positions)
+
+    def close(self) -> None:
+        ffi, lib = _lib()
+        with self._lock:
+            if self._h is not None:
+                ffi.release(self._h)
+                self._h = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """One conversation's state: ids fed so far, KDA state, MLA latent cache, snapshots."""
+
+    def __init__(self, model: Model, max_positions: int) -> None:
+        ffi, lib = _lib()
+        self.model = model
+        out = ffi.new("k3_session **")
+        with model._lock:
+            rc = lib.k3_session_create(model._h, int(max_positions), out)
+            if rc:
+                _raise(rc, ffi.string(lib.k3_model_error(model._h)).decode(errors="replace"))
+        self._h = ffi.gc(out[0], lib.k3_session_free)
+        self._lock = threading.Lock()
+
+    def _check(self, rc: int) -> None:
+        ffi, lib = _lib()
+        if rc:
+            _raise(rc, ffi.string(lib.k3_session_error(self._h)).decode(errors="replace"))
+
+    @property
+    def length(self) -> int:
+        _, lib = _lib()
+        return int(lib.k3_session_length(self._h))
+
+    @property
+    def capacity(self) -> int:
+        _, lib = _lib()
+        return int(lib.k3_session_capacity(self._h))
+
+    @property
+    def tainted(self) -> bool:
+        _, lib = _lib()
+        return bool(lib.k3_session_tainted(self._h))
+
+    @property
+    def ids(self) -> list[int]:
+        ffi, lib = _lib()
+        n = self.length
+        buf = ffi.new("int32_t[]", max(n, 1))
+        got = lib.k3_session_ids(self._h, buf, n)
+        return [int(buf[i]) for i in range(got)]
+
+    def reset(self) -> None:
+        _, lib = _lib()
+        with self._lock:
+            self._check(lib.k3_session_reset(self._h))
+
+    def feed(self, ids: Sequence[int], *, all_logits: bool = False,
+             cancel: CancelFlag | None = None) -> np.ndarray:
+        """Feed ids; returns the last position's logits [V], or [n, V] with all_logits."""
+        ffi, lib = _lib()
+        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int32))
+        if arr.ndim != 1 or len(arr) == 0:
+            raise ValueError("feed needs a non-empty 1-D list of token ids")
+        V = self.model.vocab
+        last = np.empty(V, dtype=np.float32)
+        allbuf = np.empty((len(arr), V), dtype=np.float32) if all_logits else None
+        with self._lock, self.model._lock:
+            rc = lib.k3_session_feed(
+                self._h, ffi.from_buffer("int32_t[]", arr), len(arr), ffi.from_buffer("float[]", last),
+                ffi.from_buffer("float[]", allbuf) if allbuf is not None else ffi.NULL,
+                cancel._cell if cancel is not None else ffi.NULL)
+            self._check(rc)
+        return allbuf if allbuf is not None else last
+
+    # ---- state ----
+    def export_state(self) -> bytes:
+        ffi, lib = _lib()
+        with self._lock:
+            size = ffi.new("uint64_t *")
+            lib.k3_session_state_size(self._h, size)
+            buf = bytearray(size[0])
+            self._check(lib.k3_session_export(self._h, ffi.from_buffer(buf), size[0]))
+        return bytes(buf)
+
+    def import_state(self, data: bytes) -> None:
+        ffi, lib = _lib()
+        with self._lock:
+            self._check(lib.k3_session_import(self._h, ffi.from_buffer(data), len(data)))
+
+    def snapshot(self) -> int:
+        ffi, lib = _lib()
+        with self._lock:
+            out = ffi.new("int32_t *")
+            self._check(lib.k3_session_snapshot(self._h, out))
+            return int(out[0])
+
+    def restore(self, snap_id: int) -> None:
+        _, lib = _lib()
+        with self._lock:
+            self._check(lib.k3_session_restore(self._h, int(snap_id)))
+
+    def drop_snapshot(self, snap_id: int) -> None:
+        _, lib = _lib()
+        with self._lock:
+            self._check(lib.k3_session_snapshot_drop(self._h, int(snap_id)))
+
+    def state_arrays(self) -> StateArrays:
+        return decode_state(self.export_state())
+
+    def close(self) -> None:
+        ffi, _ = _lib()
+        with self._lock:
+            if self._h is not None:
+                ffi.release(self._h)
+                self._h = None
+
+
+def decode_state(data: bytes) -> StateArrays:
+    """Split an exported state into arrays (layout documented in native/k3_state.c)."""
+    hdr = np.frombuffer(data, dtype=np.uint32, count=10)
+    if int(hdr[0]) != 0x3153334B:
+        raise ValueError("not an engine state (bad magic)")
+    n, n_kda, n_mla, H, D, P, K, W = (int(x) for x in hdr[2:10])
+    off = 40
+    ids = np.frombuffer(data, dtype=np.int32, count=n, offset=off)
+    off += 4 * n
+    s_list, c_list, r_list = [], [], []
+    for _ in range(n_kda):
+        s_list.append(np.frombuffer(data, dtype=np.float32, count=H * D * D, offset=off).reshape(H, D, D))
+        off += 4 * H * D * D
+        c_list.append(np.frombuffer(data, dtype=np.float32, count=3 * P * (K - 1), offset=off).reshape(3, P, K - 1))
+        off += 4 * 3 * P * (K - 1)
+    for _ in range(n_mla):
+        r_list.append(np.frombuffer(data, dtype=np.float32, count=n * W, offset=off).reshape(n, W))
+        off += 4 * n * W
+    if off != len(data):
+        raise ValueError(f"engine state has {len(data)} bytes, layout accounts for {off}")
+    return StateArrays(ids, s_list, c_list, r_list)

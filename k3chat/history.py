@@ -1,0 +1,684 @@
+"""Conversation history: one JSONL file per session plus an index, all private and durable.
+
+Layout under the store root (default ``<data dir>/sessions``, 0700):
+
+- ``<id>.jsonl`` (0600): line 1 is a header ``{"k3chat": "session", ...}``; then one record
+  per line (spec k3-chat.md 5.1 plus metadata), and ``{"k3chat": "rename", ...}`` lines.
+  The file is only ever appended to, one fsynced line at a time, so a crash can cost at most
+  the line being written, and renames do not rewrite the file.
+- ``sessions.json`` (0600): the index, a cache of what the JSONL files say. Written atomically.
+  It records each file's size, so a stale entry (a crash between a record and the index update)
+  is noticed and recomputed; a missing or corrupt index is rebuilt from the files.
+- ``sessions.lock``: flock'ed around every index update. The index itself cannot carry the
+  lock because each update replaces its inode.
+
+Each session file is also flock'ed while it is appended to, so the "truncate back after a
+failed write" rollback can never cut another writer's line.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from k3chat import paths
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "sessions.json"
+LOCK_NAME = "sessions.lock"
+SUFFIX = ".jsonl"
+FORMAT_VERSION = 1
+META_KEY = "k3chat"  # lines carrying this key are store metadata, never conversation records
+
+ROLES = ("system", "user", "assistant")
+EFFORTS = ("low", "high", "max")
+MAX_NAME_LEN = 200
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_LONE_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
+_U64_MAX = 2**64 - 1
+
+# Which role may follow which (spec 5.1): optional system first, then user/assistant
+# alternating from user. A history ending in "user" is legal: the answer is generated later.
+_NEXT_ROLES: dict[str | None, tuple[str, ...]] = {
+    None: ("system", "user"),
+    "system": ("user",),
+    "user": ("assistant",),
+    "assistant": ("user",),
+}
+
+
+class HistoryError(Exception):
+    """A history operation failed; the message says what and whether anything was lost."""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: str
+    name: str
+    created: float  # UNIX seconds
+    updated: float
+    n_messages: int
+    model: str | None
+
+
+@dataclass(frozen=True)
+class LoadedSession:
+    records: list[dict[str, Any]]
+    problems: list[str]  # one line per damaged or suspicious line, with its line number
+    info: SessionInfo
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int subclass; True is never a valid temperature or timestamp.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: object, limit: int | None = None) -> bool:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return ok and (limit is None or value <= limit)  # type: ignore[operator]
+
+
+def _string_problem(name: str, value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"{name} must be a string, got {type(value).__name__}"
+    # A lone surrogate cannot be written as UTF-8: refuse it here with a clear message.
+    if _LONE_SURROGATE_RE.search(value):
+        return f"{name} contains an unpaired surrogate"
+    return None
+
+
+def _sampler_problem(value: object) -> str | None:
+    if not isinstance(value, dict):
+        return "sampler must be an object"
+    checks = {
+        "greedy": lambda v: isinstance(v, bool),
+        "temperature": _is_number,
+        "top_p": _is_number,
+        "top_k": _is_count,
+        "seed": lambda v: _is_count(v, _U64_MAX),
+    }
+    for key, item in value.items():
+        check = checks.get(key)
+        if check is None:
+            return f"sampler has unknown key {key!r}"
+        if not check(item):
+            return f"sampler.{key} has an invalid value {item!r}"
+    return None
+
+
+def _numbers_problem(name: str, value: object, *, integers: bool) -> str | None:
+    if not isinstance(value, dict):
+        return f"{name} must be an object"
+    for key, item in value.items():
+        ok = _is_count(item) if integers else (_is_number(item) and item >= 0)
+        if not isinstance(key, str) or not ok:
+            kind = "a non-negative integer" if integers else "a finite number >= 0"
+            return f"{name}.{key} must be {kind}, got {item!r}"
+    return None
+
+
+def _metadata_problem(key: str, value: object) -> str | None:
+    """Type rules for the metadata fields (design 3): time, model, effort, sampler, ..."""
+    if key == "time":
+        return None if _is_number(value) and value >= 0 else "time must be UNIX seconds"  # type: ignore[operator]
+    if key == "model":
+        return _string_problem("model", value)
+    if key == "thinking":
+        return None if isinstance(value, bool) else "thinking must be true or false"
+    if key == "effort":
+        return None if value in EFFORTS else f"effort must be one of {', '.join(EFFORTS)}, got {value!r}"
+    if key == "sampler":
+        return _sampler_problem(value)
+    if key == "tokens":
+        return _numbers_problem("tokens", value, integers=True)
+    if key == "speed":
+        return _numbers_problem("speed", value, integers=False)
+    return f"unknown field {key!r}"
+
+
+def record_problem(record: object) -> str | None:
+    """Why ``record`` is not a valid history record, or None if it is."""
+    if not isinstance(record, Mapping):
+        return "a record must be a JSON object"
+    role = record.get("role")
+    if role not in ROLES:
+        return f"role must be one of {', '.join(ROLES)}, got {role!r}"
+    if "content" not in record:
+        return "content is missing"
+    for key, value in record.items():
+        if key == "role":
+            continue
+        if key in ("content", "reasoning_content"):
+            problem = _string_problem(key, value)
+        elif key == "interrupted":
+            problem = None if isinstance(value, bool) else "interrupted must be true or false"
+        else:
+            problem = _metadata_problem(key, value)
+        if problem is None and key in ("reasoning_content", "interrupted") and role != "assistant":
+            problem = f"{key} is only allowed on assistant records, not {role!r}"
+        if problem is not None:
+            return problem
+    return None
+
+
+def _order_problem(previous: str | None, role: str) -> str | None:
+    allowed = _NEXT_ROLES[previous]
+    if role in allowed:
+        return None
+    after = f"after {previous!r}" if previous else "as the first record"
+    return f"a {role!r} record cannot come {after} (expected {' or '.join(allowed)})"
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise HistoryError("a session name must be a non-empty string")
+    if len(name) > MAX_NAME_LEN:
+        raise HistoryError(f"a session name is limited to {MAX_NAME_LEN} characters")
+    # Names are shown on one line in the browser and written into Markdown headings.
+    if _CONTROL_RE.search(name) or _LONE_SURROGATE_RE.search(name):
+        raise HistoryError("a session name cannot contain control characters")
+    return name
+
+
+def _check_id(session_id: object) -> str:
+    # Ids become file names: this refuses "..", "/", hidden names and anything surprising.
+    if not isinstance(session_id, str) or not _ID_RE.fullmatch(session_id):
+        raise HistoryError(f"invalid session id {session_id!r}")
+    return session_id
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _encode_line(obj: Mapping[str, Any]) -> bytes:
+    # json.dumps escapes every control character, so the line never contains a raw "\n";
+    # allow_nan=False keeps the file standard JSON.
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8") + b"\n"
+
+
+def _ordered(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec fields first, in the peer's order, so the file reads naturally."""
+    first = ("role", "content", "reasoning_content", "interrupted")
+    out = {key: record[key] for key in first if key in record}
+    out.update((key, value) for key, value in record.items() if key not in out)
+    return out
+
+
+@dataclass
+class _Parsed:
+    """What a session file says, with every damaged line accounted for."""
+
+    records: list[dict[str, Any]]
+    problems: list[str]
+    name: str | None
+    created: float | None
+    model: str | None
+    last_role: str | None
+    ends_with_newline: bool
+
+
+def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
+    kind = obj.get(META_KEY)
+    if kind == "session" and number == 1:
+        name, created, model = obj.get("name"), obj.get("created"), obj.get("model")
+        parsed.name = name if isinstance(name, str) else None
+        parsed.created = float(created) if _is_number(created) else None
+        parsed.model = model if isinstance(model, str) else None
+    elif kind == "rename" and isinstance(obj.get("name"), str):
+        parsed.name = obj["name"]
+    else:
+        parsed.problems.append(f"line {number}: unexpected store line {kind!r}, skipped")
+
+
+def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
+    if not raw.strip():
+        parsed.problems.append(f"line {number}: blank line, skipped")
+        return
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        parsed.problems.append(f"line {number}: not valid UTF-8, skipped")
+        return
+    except json.JSONDecodeError as exc:
+        parsed.problems.append(f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}), skipped")
+        return
+    if isinstance(obj, dict) and META_KEY in obj:
+        _parse_meta(obj, number, parsed)
+        return
+    problem = record_problem(obj)
+    if problem is not None:
+        parsed.problems.append(f"line {number}: invalid record ({problem}), skipped")
+        return
+    order = _order_problem(parsed.last_role, obj["role"])
+    if order is not None:
+        # Kept: a lost line in between is the usual cause, and dropping this one would lose more.
+        parsed.problems.append(f"line {number}: {order}; a record before it may have been lost")
+    parsed.records.append(obj)
+    parsed.last_role = obj["role"]
+    if isinstance(obj.get("model"), str):
+        parsed.model = obj["model"]
+
+
+def _parse_file(data: bytes) -> _Parsed:
+    parsed = _Parsed([], [], None, None, None, None, ends_with_newline=data.endswith(b"\n") or not data)
+    lines = data.split(b"\n")
+    incomplete = lines.pop()  # b"" when the file ends with a newline
+    for number, raw in enumerate(lines, start=1):
+        _parse_line(raw, number, parsed)
+    if incomplete:
+        parsed.problems.append(
+            f"line {len(lines) + 1}: incomplete last line ({len(incomplete)} bytes, "
+            "a write was cut short), skipped"
+        )
+    return parsed
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@dataclass
+class _Tail:
+    """Cached end-of-file facts, valid while the file keeps this inode and size."""
+
+    key: tuple[int, int]  # (st_ino, st_size)
+    last_role: str | None
+    ends_with_newline: bool
+
+
+class HistoryStore:
+    """Sessions on disk. Safe for several processes; not for several threads on one instance."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        if root is None:
+            paths.ensure_private_dir(paths.data_dir())
+            root = paths.data_dir() / "sessions"
+        self.root = paths.ensure_private_dir(Path(root))
+        self._tails: dict[str, _Tail] = {}
+
+    # ---- public API
+
+    def create(self, name: str, *, model: str | None = None) -> SessionInfo:
+        _check_name(name)
+        if model is not None and _string_problem("model", model):
+            raise HistoryError("model must be a string")
+        now = time.time()
+        with self._index_lock():
+            entries = self._current_index()
+            session_id = self._new_id(now)
+            header: dict[str, Any] = {META_KEY: "session", "version": FORMAT_VERSION, "id": session_id,
+                                      "name": name, "created": now, "model": model}
+            line = _encode_line(header)
+            try:
+                # Atomic, so a session file never exists without its complete header.
+                paths.atomic_write(self._path(session_id), line)
+            except OSError as exc:
+                raise HistoryError(f"could not create session {name!r}: {_reason(exc)}") from exc
+            info = SessionInfo(session_id, name, now, now, 0, model)
+            entries[session_id] = _entry(info, len(line))
+            self._save_index_quietly(entries)
+        return info
+
+    def list(self) -> list[SessionInfo]:
+        """All sessions, most recently updated first (stale index entries are refreshed)."""
+        with self._index_lock():
+            entries = self._current_index()
+        infos = [_info(session_id, entry) for session_id, entry in entries.items()]
+        return sorted(infos, key=lambda info: (info.updated, info.id), reverse=True)
+
+    def info(self, session_id: str) -> SessionInfo:
+        _check_id(session_id)
+        for info in self.list():
+            if info.id == session_id:
+                return info
+        raise HistoryError(f"no session {session_id!r}")
+
+    def append(self, session_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate, append as one line and fsync; return the record as stored.
+
+        ``time`` is added if absent. On failure (disk full, I/O error) the file is cut back to
+        its previous size and HistoryError says the record was not saved.
+        """
+        _check_id(session_id)
+        problem = record_problem(record)
+        if problem is not None:
+            raise HistoryError(f"refusing to save an invalid record: {problem}")
+        stored = _ordered(record)
+        stored.setdefault("time", time.time())
+        line = _encode_line(stored)
+        written = json.loads(line)  # exactly what load() will return for this line
+        self._append_line(session_id, line, written)
+        return written
+
+    def load(self, session_id: str) -> LoadedSession:
+        _check_id(session_id)
+        data, st = self._read(session_id)
+        parsed = _parse_file(data)
+        created = parsed.created if parsed.created is not None else st.st_mtime
+        info = SessionInfo(session_id, parsed.name or session_id, created, st.st_mtime,
+                           len(parsed.records), parsed.model)
+        if parsed.created is None and not any(p.startswith("line 1:") for p in parsed.problems):
+            parsed.problems.append("line 1: session header missing; name and creation time guessed")
+        return LoadedSession(parsed.records, parsed.problems, info)
+
+    def rename(self, session_id: str, name: str) -> SessionInfo:
+        _check_id(session_id)
+        _check_name(name)
+        # Appended, not rewritten: the record lines are never touched after they are written.
+        meta = {META_KEY: "rename", "name": name, "time": time.time()}
+        self._append_line(session_id, _encode_line(meta), meta)
+        return self.info(session_id)
+
+    def delete(self, session_id: str) -> None:
+        """Remove the session file and its index entry.
+
+        This is an unlink: on SSDs and journaling file systems overwriting in place does not
+        reliably erase data, so we do not pretend to; full-disk encryption is the real answer.
+        """
+        _check_id(session_id)
+        with self._index_lock():
+            try:
+                os.unlink(self._path(session_id))
+            except FileNotFoundError:
+                raise HistoryError(f"no session {session_id!r}") from None
+            except OSError as exc:
+                raise HistoryError(f"could not delete session {session_id!r}: {_reason(exc)}") from exc
+            paths.fsync_dir(self.root)
+            self._tails.pop(session_id, None)
+            self._current_index()  # drops the entry of the file that is gone
+
+    def export_markdown(self, session_id: str) -> str:
+        loaded = self.load(session_id)
+        info = loaded.info
+        out = [f"# {info.name}", "", f"Session `{info.id}`, created {_iso(info.created)}"
+               + (f", model {info.model}" if info.model else "") + "."]
+        if loaded.problems:
+            out += ["", f"> {len(loaded.problems)} damaged line(s) were skipped in this export."]
+        for record in loaded.records:
+            out += ["", *_markdown_record(record)]
+        return "\n".join(out) + "\n"
+
+    def export_json(self, session_id: str) -> str:
+        """Everything we know, metadata included; ``json.loads`` gives back the records."""
+        loaded = self.load(session_id)
+        info = loaded.info
+        doc = {
+            "format": "k3chat-session",
+            "version": FORMAT_VERSION,
+            "session": {"id": info.id, "name": info.name, "created": info.created,
+                        "updated": info.updated, "model": info.model},
+            "records": loaded.records,
+            "problems": loaded.problems,
+        }
+        return json.dumps(doc, ensure_ascii=False, indent=2) + "\n"
+
+    def export_peer_jsonl(self, session_id: str) -> str:
+        """JSONL for kimi-k3-in-c's strict ``--history`` reader: role, content,
+        reasoning_content only, in that order (spec 5.1: "an export for the peer drops it")."""
+        lines = []
+        for record in self.load(session_id).records:
+            out = {"role": record["role"], "content": record["content"]}
+            if record["role"] == "assistant" and "reasoning_content" in record:
+                out["reasoning_content"] = record["reasoning_content"]
+            lines.append(json.dumps(out, ensure_ascii=False))
+        return "".join(line + "\n" for line in lines)
+
+    # ---- appending
+
+    def _append_line(self, session_id: str, line: bytes, obj: Mapping[str, Any]) -> None:
+        """Append one encoded line (a record, or a store line when ``obj`` has META_KEY)."""
+        role = None if META_KEY in obj else obj["role"]
+        path = self._path(session_id)
+        try:
+            fd = paths.private_open(path, os.O_WRONLY | os.O_APPEND)  # no O_CREAT: never resurrect
+        except FileNotFoundError:
+            raise HistoryError(f"no session {session_id!r}") from None
+        except OSError as exc:
+            raise HistoryError(f"could not open session {session_id!r}: {_reason(exc)}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            tail = self._tail(session_id, st)
+            if role is not None:
+                problem = _order_problem(tail.last_role, role)
+                if problem is not None:
+                    raise HistoryError(f"refusing to save: {problem}")
+            if not tail.ends_with_newline:
+                # A crash left a partial line: end it so it stays one reported, skipped line
+                # instead of swallowing this record too.
+                line = b"\n" + line
+            self._write_durably(fd, path, line, st.st_size)
+            size = st.st_size + len(line)
+            self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True)
+            try:
+                self._update_index_after_append(session_id, st, size, obj)
+            except OSError as exc:
+                # The line is durable; only the index (a cache, repaired by size) is stale.
+                log.warning("history index not updated (%s); it will be rebuilt", _reason(exc))
+        finally:
+            os.close(fd)  # also releases the flock
+
+    def _write_durably(self, fd: int, path: Path, line: bytes, old_size: int) -> None:
+        try:
+            paths.write_all(fd, line)
+            os.fsync(fd)
+        except BaseException as exc:
+            # Cut back whatever part of the line reached the file (disk full, I/O error, or
+            # an interrupt mid-write), so no half record remains.
+            try:
+                os.ftruncate(fd, old_size)
+                os.fsync(fd)
+                state = "the history is unchanged"
+            except OSError:
+                state = "a partial line may remain; it will be reported and skipped on load"
+            if not isinstance(exc, OSError):
+                raise
+            raise HistoryError(f"could not save to {path.name}: {_reason(exc)}; "
+                               f"the record was not saved and {state}") from exc
+
+    def _tail(self, session_id: str, st: os.stat_result) -> _Tail:
+        cached = self._tails.get(session_id)
+        if cached is not None and cached.key == (st.st_ino, st.st_size):
+            return cached
+        data, _ = self._read(session_id)
+        parsed = _parse_file(data[: st.st_size])
+        tail = _Tail((st.st_ino, st.st_size), parsed.last_role, parsed.ends_with_newline)
+        self._tails[session_id] = tail
+        return tail
+
+    def _update_index_after_append(self, session_id: str, st: os.stat_result, size: int,
+                                   obj: Mapping[str, Any]) -> None:
+        with self._index_lock():
+            try:
+                current = os.stat(self._path(session_id)).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != st.st_ino:
+                raise HistoryError(f"session {session_id!r} was deleted while saving; the record is lost")
+            entries = self._read_index()
+            if entries is None:
+                self._current_index()  # rebuilt from the files, this line included
+                return
+            entry = entries.get(session_id)
+            if entry is not None and entry["bytes"] == st.st_size:
+                _advance_entry(entry, size, obj)  # index was in step: no need to re-read the file
+            else:
+                self._refresh_entry(entries, session_id)
+            self._save_index_quietly(entries)
+
+    def _save_index_quietly(self, entries: dict[str, dict[str, Any]]) -> None:
+        # Callers have already made their change durable in the session file; the index is
+        # a cache whose staleness _current_index detects by file size. So a failure to write
+        # it (disk full) is logged rather than reported as a failed save.
+        try:
+            self._store_index(entries)
+        except OSError as exc:
+            log.warning("history index not saved (%s); it will be rebuilt", _reason(exc))
+
+    # ---- the index
+
+    @contextmanager
+    def _index_lock(self) -> Iterator[None]:
+        fd = paths.private_open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _current_index(self) -> dict[str, dict[str, Any]]:
+        """The index, reconciled with the files on disk and saved if that changed it.
+
+        Call with the index lock held.
+        """
+        entries = self._read_index()
+        changed = entries is None
+        entries = entries or {}
+        on_disk = self._session_files()
+        for session_id in list(entries):
+            if session_id not in on_disk:
+                del entries[session_id]
+                changed = True
+        for session_id, size in on_disk.items():
+            entry = entries.get(session_id)
+            if entry is None or entry["bytes"] != size:
+                changed |= self._refresh_entry(entries, session_id)
+        if changed:
+            self._save_index_quietly(entries)
+        return entries
+
+    def _refresh_entry(self, entries: dict[str, dict[str, Any]], session_id: str) -> bool:
+        try:
+            loaded = self.load(session_id)
+            size = os.stat(self._path(session_id)).st_size
+        except (OSError, HistoryError):
+            return False  # deleted meanwhile, or unreadable: leave it to the next listing
+        entries[session_id] = _entry(loaded.info, size)
+        return True
+
+    def _read_index(self) -> dict[str, dict[str, Any]] | None:
+        try:
+            fd = os.open(self.root / INDEX_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        try:
+            doc = json.loads(data)
+            entries = doc["sessions"]
+            if doc.get("version") != FORMAT_VERSION or not isinstance(entries, dict):
+                raise ValueError("unknown index layout")
+            for session_id, entry in entries.items():
+                _check_id(session_id)
+                _info(session_id, entry)  # raises on any missing or mistyped field
+        except (ValueError, KeyError, TypeError, HistoryError) as exc:
+            log.warning("history index %s is damaged (%s); rebuilding it from the sessions",
+                        self.root / INDEX_NAME, exc)
+            return None
+        return entries
+
+    def _store_index(self, entries: dict[str, dict[str, Any]]) -> None:
+        doc = {"version": FORMAT_VERSION, "sessions": entries}
+        paths.atomic_write(self.root / INDEX_NAME, json.dumps(doc, ensure_ascii=False, indent=1).encode())
+
+    def _session_files(self) -> dict[str, int]:
+        """Session id -> file size, for every well-named session file."""
+        found = {}
+        for entry in os.scandir(self.root):
+            session_id = entry.name[: -len(SUFFIX)]
+            if entry.name.endswith(SUFFIX) and _ID_RE.fullmatch(session_id) and entry.is_file(follow_symlinks=False):
+                found[session_id] = entry.stat(follow_symlinks=False).st_size
+        return found
+
+    # ---- files
+
+    def _path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}{SUFFIX}"
+
+    def _read(self, session_id: str) -> tuple[bytes, os.stat_result]:
+        try:
+            fd = os.open(self._path(session_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise HistoryError(f"no session {session_id!r}") from None
+        except OSError as exc:
+            raise HistoryError(f"could not read session {session_id!r}: {_reason(exc)}") from exc
+        with os.fdopen(fd, "rb") as f:
+            return f.read(), os.fstat(f.fileno())
+
+    def _new_id(self, now: float) -> str:
+        # Sortable by creation and unguessable enough to never collide between processes.
+        stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
+        while True:
+            session_id = f"{stamp}-{secrets.token_hex(4)}"
+            if not self._path(session_id).exists():
+                return session_id
+
+
+def _entry(info: SessionInfo, size: int) -> dict[str, Any]:
+    return {"name": info.name, "created": info.created, "updated": info.updated,
+            "n_messages": info.n_messages, "model": info.model, "bytes": size}
+
+
+def _advance_entry(entry: dict[str, Any], size: int, obj: Mapping[str, Any]) -> None:
+    entry["bytes"] = size
+    entry["updated"] = time.time()
+    if obj.get(META_KEY) == "rename":
+        entry["name"] = obj["name"]
+        return
+    entry["n_messages"] += 1
+    if isinstance(obj.get("model"), str):
+        entry["model"] = obj["model"]
+
+
+def _info(session_id: str, entry: Mapping[str, Any]) -> SessionInfo:
+    name, model = entry["name"], entry["model"]
+    created, updated = entry["created"], entry["updated"]
+    n_messages, size = entry["n_messages"], entry["bytes"]
+    if not (isinstance(name, str) and (model is None or isinstance(model, str))
+            and _is_number(created) and _is_number(updated)
+            and _is_count(n_messages) and _is_count(size)):
+        raise TypeError(f"index entry for {session_id} has mistyped fields")
+    return SessionInfo(session_id, name, float(created), float(updated), n_messages, model)
+
+
+def _markdown_record(record: Mapping[str, Any]) -> list[str]:
+    heading = f"## {record['role'].capitalize()}"
+    if _is_number(record.get("time")):
+        heading += f" ({_iso(record['time'])})"
+    if record.get("interrupted"):
+        heading += " [interrupted]"
+    out = [heading, ""]
+    reasoning = record.get("reasoning_content")
+    if reasoning:
+        # A blockquote, line by line: safe whatever the reasoning contains, unlike <details>.
+        out += ["> **Reasoning**", ">", *(f"> {line}".rstrip() for line in reasoning.split("\n")), ""]
+    out.append(record["content"])
+    return out
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.ENOSPC:
+        return "the disk is full"
+    return exc.strerror or str(exc)

@@ -1,0 +1,137 @@
+"""`k3chat run MODEL_DIR --ids ...`: greedy generation on raw token ids.
+
+The first Ctrl-C (or SIGTERM) lets the step in flight finish, writes what was generated
+(marked interrupted) and exits 5; a second Ctrl-C exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+
+
+class _StopRequest:
+    """Signal handling: the first signal asks to stop after the step, the second exits."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested.is_set():
+            os._exit(EXIT_INTERRUPTED)
+        self.requested.set()
+        print("\nk3chat: stopping after the current step (Ctrl-C again to quit now)", file=sys.stderr)
+
+    def __enter__(self) -> "_StopRequest":
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def greedy(logits: np.ndarray) -> int:
+    """The first maximum (ties go to the lower id); a NaN logit is an engine fault."""
+    if np.isnan(logits).any():
+        raise FloatingPointError("the engine produced a NaN logit")
+    return int(np.argmax(logits))
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_ids(args: argparse.Namespace) -> int:
+    from k3engine.errors import CheckpointError
+    from k3engine.model import EngineError, ExpertReadError, Model
+
+    threads = args.threads or os.cpu_count() or 1
+    try:
+        model = Model(args.model_dir, threads=min(threads, 64), scalar=args.scalar)
+    except CheckpointError as exc:
+        print(f"k3chat: cannot open {args.model_dir}:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as exc:
+        print(f"k3chat: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except EngineError as exc:
+        print(f"k3chat: the engine refused {args.model_dir}: {exc}", file=sys.stderr)
+        return EXIT_EXPERT_IO if isinstance(exc, ExpertReadError) else EXIT_RUNTIME
+    bad = [i for i in args.ids if i >= model.vocab]
+    if bad:
+        print(f"k3chat: --ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})", file=sys.stderr)
+        return EXIT_USAGE
+    generated: list[int] = []
+    logits_first: list[float] = []
+    step_seconds: list[float] = []
+    interrupted = False
+    code = EXIT_OK
+    error: str | None = None
+    with _StopRequest() as stop:
+        try:
+            session = model.session(len(args.ids) + args.gen)
+            t0 = time.perf_counter()
+            logits = session.feed(args.ids)
+            prefill_s = time.perf_counter() - t0
+            logits_first = [float(x) for x in logits]
+            for step in range(args.gen):
+                tok = greedy(logits)
+                generated.append(tok)
+                if stop.requested.is_set():
+                    interrupted = True
+                    break
+                if step + 1 == args.gen:
+                    break
+                t = time.perf_counter()
+                logits = session.feed([tok])
+                step_seconds.append(time.perf_counter() - t)
+        except ExpertReadError as exc:
+            error, code = str(exc), EXIT_EXPERT_IO
+        except (EngineError, FloatingPointError, MemoryError) as exc:
+            error, code = str(exc), EXIT_RUNTIME
+    if interrupted and code == EXIT_OK:
+        code = EXIT_INTERRUPTED
+    payload = {
+        "prompt_ids": list(args.ids),
+        "generated_ids": generated,
+        "logits_first": logits_first,
+        "seconds_per_token": (sum(step_seconds) / len(step_seconds)) if step_seconds else None,
+        "prefill_seconds": prefill_s if logits_first else None,
+        "interrupted": interrupted,
+        "error": error,
+        "threads": threads,
+        "simd": model.simd_active,
+        "stats": model.stats(),
+    }
+    if args.json_out:
+        try:
+            _write_json(args.json_out, payload)
+        except OSError as exc:
+            print(f"k3chat: cannot write {args.json_out}: {exc}", file=sys.stderr)
+            return code or EXIT_RUNTIME
+    if error:
+        print(f"k3chat: generation failed: {error}", file=sys.stderr)
+    print("generated:", ",".join(str(i) for i in generated))
+    if payload["seconds_per_token"] is not None:
+        print(f"{payload['seconds_per_token']:.4f} s/token over {len(step_seconds)} decode steps")
+    return code

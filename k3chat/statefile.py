@@ -1,0 +1,153 @@
+"""Engine state files: resume a session without prefilling its whole history again.
+
+A state file is only an optimisation: the history can always rebuild it (design 2.5). So
+anything doubtful is refused with a reason and the caller prefills from the history; a wrong
+state would silently give the model a different conversation than the one on screen.
+
+Layout (little-endian), version 1::
+
+    magic        8 bytes   b"K3STATE\\x00"
+    version      u32
+    fp_len       u16       then fp_len bytes: the model fingerprint, UTF-8
+    n_tokens     u64       ids the payload has consumed
+    payload_len  u64
+    sha256       32 bytes  over every byte above, then the payload
+    payload      payload_len bytes (opaque engine state)
+
+The checksum covers the header too, so a flipped bit in n_tokens or the fingerprint is caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3chat import paths
+
+MAGIC = b"K3STATE\x00"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sIH")  # magic, version, fp_len
+_COUNTS = struct.Struct("<QQ")  # n_tokens, payload_len
+_DIGEST_LEN = 32
+_MAX_FINGERPRINT = 1024
+
+# Reasons, stable strings the caller can branch on (and tests assert).
+MISSING = "missing"
+UNREADABLE = "unreadable"
+BAD_MAGIC = "bad_magic"
+UNSUPPORTED_VERSION = "unsupported_version"
+TRUNCATED = "truncated"
+LENGTH_MISMATCH = "length_mismatch"
+CHECKSUM_MISMATCH = "checksum_mismatch"
+FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+
+
+class StateFileError(Exception):
+    """A state file was refused. ``reason`` is one of the constants above; the message says
+    what was found, for the status line ("state refused: ...; rebuilding from history")."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class StateFile:
+    payload: bytes
+    n_tokens: int
+    fingerprint: str
+    version: int = FORMAT_VERSION
+
+
+def model_fingerprint(config_json_bytes: bytes, index_or_header_bytes: bytes, *, extra: bytes = b"") -> str:
+    """SHA-256 of the model's identity: its config.json and its tensor index (or a
+    safetensors header) as raw bytes. ``extra`` should carry anything else the payload layout
+    depends on, such as the engine's state-layout version.
+
+    Raw bytes, not parsed JSON: a file that changed in any way is treated as another model.
+    Each part is length-prefixed so that moving bytes between parts changes the result.
+    """
+    h = hashlib.sha256(b"k3chat model fingerprint v1\x00")
+    for part in (config_json_bytes, index_or_header_bytes, extra):
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return "sha256:" + h.hexdigest()
+
+
+def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int) -> None:
+    """Write atomically (0600, in a 0700 directory): a crash leaves the old file or the new."""
+    path = Path(path)
+    fp = fingerprint.encode("utf-8")
+    if not 0 < len(fp) <= _MAX_FINGERPRINT:
+        raise ValueError(f"fingerprint must be 1..{_MAX_FINGERPRINT} bytes")
+    if not 0 <= n_tokens < 2**64:
+        raise ValueError(f"n_tokens out of range: {n_tokens}")
+    header = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(fp)) + fp + _COUNTS.pack(n_tokens, len(payload))
+    digest = hashlib.sha256(header)
+    digest.update(payload)
+    # The payload holds the conversation in another form: same privacy rules as the history.
+    paths.ensure_private_dir(path.parent)
+    paths.atomic_write(path, [header, digest.digest(), payload])
+
+
+def load_state(path: Path, *, fingerprint: str) -> StateFile:
+    """Read and verify; raise StateFileError(reason) unless every check passes."""
+    data = _read(Path(path))
+    version, fp_len = _check_prefix(data)
+    offset = _PREFIX.size
+    stored_fp_bytes = data[offset : offset + fp_len]
+    offset += fp_len
+    if len(data) < offset + _COUNTS.size + _DIGEST_LEN:
+        raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(data)} bytes)")
+    n_tokens, payload_len = _COUNTS.unpack_from(data, offset)
+    offset += _COUNTS.size
+    header_end = offset
+    stored_digest = data[offset : offset + _DIGEST_LEN]
+    offset += _DIGEST_LEN
+    actual_len = len(data) - offset
+    if actual_len != payload_len:
+        what = "truncated" if actual_len < payload_len else "has trailing bytes"
+        raise StateFileError(LENGTH_MISMATCH, f"payload {what}: header says {payload_len} bytes, file has {actual_len}")
+    digest = hashlib.sha256(data[:header_end])
+    digest.update(memoryview(data)[offset:])
+    if digest.digest() != stored_digest:
+        raise StateFileError(CHECKSUM_MISMATCH, "checksum mismatch: the state file is corrupt")
+    # Checked after the checksum, so a damaged fingerprint field reads as corruption, and a
+    # mismatch here really means "made by another model (or engine build)".
+    stored_fp = stored_fp_bytes.decode("utf-8", errors="replace")
+    if stored_fp != fingerprint:
+        raise StateFileError(FINGERPRINT_MISMATCH, f"made for another model ({_short(stored_fp)}, this is {_short(fingerprint)})")
+    return StateFile(bytes(memoryview(data)[offset:]), n_tokens, stored_fp, version)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise StateFileError(MISSING, f"no state file at {path}") from None
+    except OSError as exc:
+        raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _check_prefix(data: bytes) -> tuple[int, int]:
+    """Magic, then version (the layout after it depends on the version), then fp length."""
+    if len(data) < len(MAGIC) and MAGIC.startswith(data):
+        raise StateFileError(TRUNCATED, f"state file ends inside its magic ({len(data)} bytes)")
+    if data[: len(MAGIC)] != MAGIC:
+        raise StateFileError(BAD_MAGIC, "not a k3chat state file (bad magic)")
+    if len(data) < _PREFIX.size:
+        raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(data)} bytes)")
+    _, version, fp_len = _PREFIX.unpack_from(data, 0)
+    if version != FORMAT_VERSION:
+        raise StateFileError(UNSUPPORTED_VERSION, f"state format version {version}, this build reads {FORMAT_VERSION}")
+    if not 0 < fp_len <= _MAX_FINGERPRINT:
+        raise StateFileError(CHECKSUM_MISMATCH, f"implausible fingerprint length {fp_len}: the header is corrupt")
+    return version, fp_len
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint if len(fingerprint) <= 23 else fingerprint[:23] + "..."

@@ -1,0 +1,166 @@
+/* k3_internal.h: structures shared by the engine's components.
+ *
+ * Prefixes: kp_ thread pool, kk_ kernels, kt_ tensors and shard I/O, kx_ expert
+ * source, kda_ Kimi Delta Attention, mla_ gated MLA, moe_ LatentMoE, km_ model
+ * wiring, ks_ session state.
+ */
+#ifndef K3_INTERNAL_H
+#define K3_INTERNAL_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include "k3.h"
+
+/* ---------------- thread pool (k3_pool.c) ---------------- */
+typedef void (*kp_fn)(void *ctx, int begin, int end);
+/* Runs fn over [0, n) split into at most nthreads contiguous ranges. Results must not
+ * depend on the split: every caller writes disjoint outputs with per-item arithmetic. */
+void kp_parallel_for(int nthreads, int n, kp_fn fn, void *ctx);
+
+/* ---------------- kernels (k3_kernels.c) ---------------- */
+typedef struct kk_mat {
+    const void *data; /* row-major [rows, cols], dtype below, suitably aligned */
+    int32_t dtype;    /* K3_DT_BF16, K3_DT_F16 or K3_DT_F32 */
+    int32_t rows, cols;
+} kk_mat;
+
+typedef struct kk_ctx {
+    int nthreads;
+    int simd; /* 1: AVX2 kernels (same bits as scalar) */
+} kk_ctx;
+
+int kk_cpu_has_avx2(void);
+/* Dot product with the engine's one reduction order (8 lanes, fixed tree). */
+float kk_dot(const float *a, const float *b, int n, int simd);
+/* Dot of one weight row (any dtype) with x, same order as kk_dot. */
+float kk_dot_row(const kk_mat *w, int row, const float *x, int simd);
+/* Y[t*ldy + r] = W[r,:] . X[t*ldx + :] for r < rows, t < ntok. */
+void kk_matmul(const kk_ctx *c, const kk_mat *w, const float *X, int ldx, int ntok, float *Y,
+               int ldy);
+/* MXFP4 matmul from packed bytes: rows x cols logical, packed [rows, cols/2],
+ * scales [rows, cols/32]. Counts scale-255 groups in *nan_groups. */
+void kk_mxfp4_matmul(const kk_ctx *c, const uint8_t *packed, const uint8_t *scales, int rows,
+                     int cols, const float *X, int ldx, int ntok, float *Y, int ldy,
+                     uint64_t *nan_groups);
+void kk_mxfp4_decode_row(const uint8_t *packed, const uint8_t *scales, int cols, float *out,
+                         uint64_t *nan_groups);
+float kk_bf16_to_f32(uint16_t v);
+float kk_f16_to_f32(uint16_t v);
+void kk_rmsnorm(const float *x, const float *w, int n, float eps, float *out, int simd);
+float kk_sigmoid(float x);
+float kk_silu(float x);
+float kk_situ(float g, float v, float b1, float b2);
+
+/* ---------------- tensors and shard I/O (k3_tensors.c) ---------------- */
+typedef struct kt_shard {
+    char *path;
+    int fd;
+} kt_shard;
+
+/* Reads [off, off+n) of a shard fully (pread loop). Returns 0 or -errno; short -> -EIO. */
+int kt_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
+
+/* ---------------- expert source (k3_experts.c) ---------------- */
+typedef struct kx_view {
+    const uint8_t *w1p, *w1s, *w2p, *w2s, *w3p, *w3s;
+} kx_view;
+
+typedef struct kx_source {
+    void *ctx;
+    /* Fills *out for (layer, expert) or returns K3_ERR_EXPERT_IO with detail in err. */
+    int (*acquire)(void *ctx, int layer, int expert, kx_view *out, char *err, size_t errlen);
+    void (*release)(void *ctx, int layer, int expert);
+    void (*destroy)(void *ctx);
+} kx_source;
+
+typedef struct kx_expert_loc {
+    int32_t shard[6];      /* per tensor, order w1p w1s w2p w2s w3p w3s */
+    uint64_t offset[6];
+    uint64_t nbytes[6];
+    int32_t run;           /* 1: the six tensors tile one range in one shard */
+} kx_expert_loc;
+
+/* ---------------- model ---------------- */
+typedef struct km_layer {
+    int is_mla, is_moe, kda_index, mla_index;
+    /* shared by all */
+    float *input_norm, *post_norm;
+    float *attn_res_u, *mlp_res_u; /* norm weight (.) proj, folded at load */
+    kk_mat o_proj;
+    /* KDA */
+    kk_mat q_proj, k_proj, v_proj, g_proj_kda, f_a, f_b, b_proj;
+    float *q_conv, *k_conv, *v_conv; /* [P, K] */
+    float *a_log;                    /* [H_k] */
+    float *dt_bias;                  /* [P] */
+    float *o_norm;                   /* [D] */
+    /* MLA */
+    kk_mat q_a, q_b, kv_a, kv_b, g_proj_mla;
+    float *q_a_norm, *kv_a_norm;
+    /* dense FFN */
+    kk_mat mlp_gate, mlp_up, mlp_down;
+    /* MoE */
+    kk_mat router, lat_down, lat_up, sh_gate, sh_up, sh_down;
+    float *router_bias, *lat_norm;
+    kx_expert_loc *experts; /* [n_experts] */
+} km_layer;
+
+struct k3_model {
+    k3_config cfg;
+    int n_kda, n_mla;
+    kt_shard *shards;
+    int n_shards;
+    km_layer *layers;
+    kk_mat embed, lm_head;
+    float *final_norm, *out_res_u;
+    void **allocs; /* every buffer owned by the model */
+    int n_allocs, cap_allocs;
+    kx_source experts;
+    int nthreads, force_scalar, simd_available;
+    k3_stats stats;
+    char err[K3_ERRLEN];
+};
+
+/* Per-sequence recurrent state. */
+typedef struct ks_state {
+    int32_t len, cap;
+    int32_t *ids;      /* [cap] */
+    float **kda_s;     /* [n_kda] -> [H_k * D * D] */
+    float **kda_conv;  /* [n_kda] -> [3 * P * (K-1)] (q, k, v) */
+    float **mla_rows;  /* [n_mla] -> [cap * (kv_lora + rope)] */
+    int shared_slot;   /* kda_s/kda_conv have one entry used by every KDA layer */
+} ks_state;
+
+int ks_alloc(const k3_model *m, ks_state *st, int32_t cap, int shared_slot);
+void ks_free(const k3_model *m, ks_state *st);
+void ks_zero(const k3_model *m, ks_state *st);
+uint64_t ks_export_size(const k3_model *m, const ks_state *st);
+void ks_export(const k3_model *m, const ks_state *st, void *buf);
+int ks_import(const k3_model *m, ks_state *st, const void *buf, uint64_t size, char *err,
+              size_t errlen);
+
+/* Forward of ids at positions st->len.. ; writes logits; advances st->len on success. */
+int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
+               float *logits_all, const volatile int32_t *cancel, char *err, size_t errlen);
+
+void km_kk_ctx(const k3_model *m, kk_ctx *c);
+
+/* sublayers (each processes ntok tokens of one sequence, in order) */
+void kda_forward(const k3_model *m, const km_layer *ly, float *S, float *conv, const float *xn,
+                 int ntok, float *out, float *scratch);
+size_t kda_scratch_floats(const k3_config *c, int ntok);
+void mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
+                 int ntok, float *out, float *scratch);
+size_t mla_scratch_floats(const k3_config *c, int ntok, int npos);
+int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok, float *out,
+                float *scratch, char *err, size_t errlen);
+size_t moe_scratch_floats(const k3_config *c, int ntok);
+void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int ntok, float *out,
+                   float *scratch);
+size_t dense_scratch_floats(const k3_config *c, int ntok);
+
+/* expert sources */
+int kx_resident_create(k3_model *m, kx_source *out, char *err, size_t errlen);
+
+void km_set_err(char *err, size_t errlen, const char *fmt, ...);
+
+#endif

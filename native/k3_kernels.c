@@ -1,0 +1,250 @@
+/* k3_kernels.c: dot products, matmuls, MXFP4, norms and activations.
+ *
+ * One reduction order everywhere: 8 lane accumulators (lane l takes elements
+ * i = l mod 8 of the full blocks, the tail goes to lanes 0..), then the fixed tree
+ * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).  Multiplies and adds round separately
+ * (no FMA, -ffp-contract=off), so the AVX2 path gives the scalar path's bits.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define K3_X86 1
+#include <immintrin.h>
+#endif
+
+float kk_bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float kk_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float kk_tree(const float a[8]) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+static float kk_dot_scalar(const float *x, const float *y, int n) {
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8)
+        for (int l = 0; l < 8; l++) a[l] = a[l] + x[i + l] * y[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + x[i] * y[i];
+    return kk_tree(a);
+}
+
+static float kk_dot_bf16_scalar(const uint16_t *w, const float *x, int n) {
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8)
+        for (int l = 0; l < 8; l++) a[l] = a[l] + kk_bf16_to_f32(w[i + l]) * x[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + kk_bf16_to_f32(w[i]) * x[i];
+    return kk_tree(a);
+}
+
+static float kk_dot_f16_scalar(const uint16_t *w, const float *x, int n) {
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8)
+        for (int l = 0; l < 8; l++) a[l] = a[l] + kk_f16_to_f32(w[i + l]) * x[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + kk_f16_to_f32(w[i]) * x[i];
+    return kk_tree(a);
+}
+
+#ifdef K3_X86
+int kk_cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+}
+
+__attribute__((target("avx2"))) static float kk_hsum_tree(__m256 acc, float *lanes_out) {
+    /* Same tree as kk_tree: (lo+hi) gives a0+a4..a3+a7, then pairs, then the last add. */
+    __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
+    __m128 s = _mm_add_ps(lo, hi);            /* s0=a0+a4 s1=a1+a5 s2=a2+a6 s3=a3+a7 */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s)); /* t0=s0+s2 t1=s1+s3 */
+    __m128 r = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    (void)lanes_out;
+    return _mm_cvtss_f32(r);
+}
+
+__attribute__((target("avx2"))) static float kk_dot_avx2(const float *x, const float *y, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    if (i < n) {
+        float a[8];
+        _mm256_storeu_ps(a, acc);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + x[i] * y[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc, NULL);
+}
+
+__attribute__((target("avx2"))) static float kk_dot_bf16_avx2(const uint16_t *w, const float *x,
+                                                               int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(w + i));
+        __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(wf, _mm256_loadu_ps(x + i)));
+    }
+    if (i < n) {
+        float a[8];
+        _mm256_storeu_ps(a, acc);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + kk_bf16_to_f32(w[i]) * x[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc, NULL);
+}
+#else
+int kk_cpu_has_avx2(void) { return 0; }
+#endif
+
+float kk_dot(const float *a, const float *b, int n, int simd) {
+#ifdef K3_X86
+    if (simd) return kk_dot_avx2(a, b, n);
+#endif
+    (void)simd;
+    return kk_dot_scalar(a, b, n);
+}
+
+float kk_dot_row(const kk_mat *w, int row, const float *x, int simd) {
+    size_t off = (size_t)row * (size_t)w->cols;
+    switch (w->dtype) {
+    case K3_DT_BF16: {
+        const uint16_t *p = (const uint16_t *)w->data + off;
+#ifdef K3_X86
+        if (simd) return kk_dot_bf16_avx2(p, x, w->cols);
+#endif
+        return kk_dot_bf16_scalar(p, x, w->cols);
+    }
+    case K3_DT_F16:
+        /* rare in checkpoints: portable path only (same order, so same bits) */
+        return kk_dot_f16_scalar((const uint16_t *)w->data + off, x, w->cols);
+    default:
+        return kk_dot((const float *)w->data + off, x, w->cols, simd);
+    }
+}
+
+typedef struct {
+    const kk_mat *w;
+    const float *X;
+    int ldx, ntok;
+    float *Y;
+    int ldy, simd;
+} kk_mm_job;
+
+static void kk_mm_rows(void *vctx, int b, int e) {
+    kk_mm_job *j = (kk_mm_job *)vctx;
+    for (int r = b; r < e; r++)
+        for (int t = 0; t < j->ntok; t++)
+            j->Y[(size_t)t * j->ldy + r] = kk_dot_row(j->w, r, j->X + (size_t)t * j->ldx, j->simd);
+}
+
+void kk_matmul(const kk_ctx *c, const kk_mat *w, const float *X, int ldx, int ntok, float *Y,
+               int ldy) {
+    kk_mm_job j = {w, X, ldx, ntok, Y, ldy, c->simd};
+    /* Small matrices are not worth waking the pool. */
+    int nt = ((size_t)w->rows * w->cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
+    kp_parallel_for(nt, w->rows, kk_mm_rows, &j);
+}
+
+/* E2M1 code values (OCP MX), bit 3 is the sign. */
+static const float kk_e2m1[16] = {0.0f, 0.5f, 1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+void kk_mxfp4_decode_row(const uint8_t *packed, const uint8_t *scales, int cols, float *out,
+                         uint64_t *nan_groups) {
+    for (int g = 0; g < cols / 32; g++) {
+        uint8_t s = scales[g];
+        float *o = out + g * 32;
+        const uint8_t *p = packed + g * 16;
+        if (s == 255) { /* NaN scale in the MX spec: a zero group, counted */
+            memset(o, 0, 32 * sizeof(float));
+            if (nan_groups) __atomic_add_fetch(nan_groups, 1, __ATOMIC_RELAXED);
+            continue;
+        }
+        /* 2^(s-127) exactly, subnormal for s == 0 (never flushed) */
+        float sc = ldexpf(1.0f, (int)s - 127);
+        for (int j = 0; j < 16; j++) {
+            o[2 * j] = kk_e2m1[p[j] & 15] * sc;      /* low nibble: even column */
+            o[2 * j + 1] = kk_e2m1[p[j] >> 4] * sc; /* high nibble: odd column */
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t *packed, *scales;
+    int rows, cols;
+    const float *X;
+    int ldx, ntok;
+    float *Y;
+    int ldy, simd;
+    uint64_t *nan_groups;
+} kk_mx_job;
+
+static void kk_mx_rows(void *vctx, int b, int e) {
+    kk_mx_job *j = (kk_mx_job *)vctx;
+    float stackbuf[4096];
+    float *row = j->cols <= 4096 ? stackbuf : (float *)malloc(sizeof(float) * j->cols);
+    if (!row) abort(); /* cols is bounded by the config; tiny allocation */
+    for (int r = b; r < e; r++) {
+        kk_mxfp4_decode_row(j->packed + (size_t)r * (j->cols / 2),
+                            j->scales + (size_t)r * (j->cols / 32), j->cols, row, j->nan_groups);
+        for (int t = 0; t < j->ntok; t++)
+            j->Y[(size_t)t * j->ldy + r] = kk_dot(row, j->X + (size_t)t * j->ldx, j->cols, j->simd);
+    }
+    if (row != stackbuf) free(row);
+}
+
+void kk_mxfp4_matmul(const kk_ctx *c, const uint8_t *packed, const uint8_t *scales, int rows,
+                     int cols, const float *X, int ldx, int ntok, float *Y, int ldy,
+                     uint64_t *nan_groups) {
+    kk_mx_job j = {packed, scales, rows, cols, X, ldx, ntok, Y, ldy, c->simd, nan_groups};
+    int nt = ((size_t)rows * cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
+    kp_parallel_for(nt, rows, kk_mx_rows, &j);
+}
+
+void kk_rmsnorm(const float *x, const float *w, int n, float eps, float *out, int simd) {
+    float ss = kk_dot(x, x, n, simd);
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+float kk_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+float kk_silu(float x) { return x * kk_sigmoid(x); }
+
+float kk_situ(float g, float v, float b1, float b2) {
+    /* the sigmoid takes the uncapped gate */
+    float gate = (b1 * tanhf(g / b1)) * kk_sigmoid(g);
+    return gate * (b2 * tanhf(v / b2));
+}

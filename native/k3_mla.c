@@ -1,0 +1,109 @@
+/* k3_mla.c: gated MLA with NoPE in the absorbed form over a latent cache (spec 5.5).
+ *
+ * The cache row of a position is [c_hat (kv_lora, post-norm) | k_rope (rope)].
+ * Scores: ((W_kb^h^T q_nope) . c_hat_s + q_rope . k_rope_s) / sqrt(d_qk);
+ * output:  W_vb^h (sum_s p_s c_hat_s).  One form in every path.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_internal.h"
+
+size_t mla_scratch_floats(const k3_config *c, int ntok, int npos) {
+    size_t H = c->mla_heads, dqk = c->qk_nope_dim + c->qk_rope_dim;
+    size_t qa = c->q_lora_rank, kva = c->kv_lora_rank + c->qk_rope_dim;
+    (void)npos;
+    /* qa(2x for norm) + q + kva + o + gate */
+    return (size_t)ntok * (2 * qa + H * dqk + kva + 2 * H * c->v_head_dim);
+}
+
+typedef struct {
+    const k3_model *m;
+    const km_layer *ly;
+    const float *rows; /* cache rows [pos, W] */
+    const float *q;    /* [ntok, H*dqk] */
+    float *o;          /* [ntok, H*dv] */
+    int pos0, ntok, simd;
+} mla_job;
+
+static float mla_w(const kk_mat *w, int r, int col) {
+    size_t i = (size_t)r * w->cols + col;
+    if (w->dtype == K3_DT_BF16) return kk_bf16_to_f32(((const uint16_t *)w->data)[i]);
+    if (w->dtype == K3_DT_F16) return kk_f16_to_f32(((const uint16_t *)w->data)[i]);
+    return ((const float *)w->data)[i];
+}
+
+static void mla_heads(void *vctx, int hb, int he) {
+    mla_job *j = (mla_job *)vctx;
+    const k3_config *c = &j->m->cfg;
+    int dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, R = c->kv_lora_rank;
+    int dqk = dn + dr, W = R + dr, npos = j->pos0 + j->ntok;
+    float scale = 1.0f / sqrtf((float)dqk);
+    const kk_mat *kvb = &j->ly->kv_b;
+    float *qabs = (float *)malloc(sizeof(float) * (size_t)(R + R + npos));
+    if (!qabs) abort(); /* bounded by the session capacity checked at create */
+    float *ctx = qabs + R, *p = ctx + R;
+    for (int h = hb; h < he; h++) {
+        int kb0 = h * (dn + dv), vb0 = kb0 + dn;
+        for (int t = 0; t < j->ntok; t++) {
+            const float *q = j->q + (size_t)t * c->mla_heads * dqk + (size_t)h * dqk;
+            /* absorb W_kb^h into the query: qabs = W_kb^h^T q_nope, d ascending */
+            for (int x = 0; x < R; x++) qabs[x] = 0.0f;
+            for (int d = 0; d < dn; d++)
+                for (int x = 0; x < R; x++) qabs[x] = qabs[x] + mla_w(kvb, kb0 + d, x) * q[d];
+            int last = j->pos0 + t; /* causal: s <= t, including t */
+            float mx = -INFINITY;
+            for (int s = 0; s <= last; s++) {
+                const float *row = j->rows + (size_t)s * W;
+                float sc = (kk_dot(qabs, row, R, j->simd) + kk_dot(q + dn, row + R, dr, j->simd)) * scale;
+                p[s] = sc;
+                if (sc > mx) mx = sc;
+            }
+            float sum = 0.0f;
+            for (int s = 0; s <= last; s++) {
+                p[s] = expf(p[s] - mx);
+                sum = sum + p[s];
+            }
+            for (int x = 0; x < R; x++) ctx[x] = 0.0f;
+            for (int s = 0; s <= last; s++) {
+                float ps = p[s] / sum;
+                const float *row = j->rows + (size_t)s * W;
+                for (int x = 0; x < R; x++) ctx[x] = ctx[x] + ps * row[x];
+            }
+            float *o = j->o + (size_t)t * c->mla_heads * dv + (size_t)h * dv;
+            for (int d = 0; d < dv; d++) o[d] = kk_dot_row(kvb, vb0 + d, ctx, j->simd);
+        }
+    }
+    free(qabs);
+}
+
+void mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
+                 int ntok, float *out, float *scratch) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden, H = c->mla_heads, dqk = c->qk_nope_dim + c->qk_rope_dim;
+    int rq = c->q_lora_rank, R = c->kv_lora_rank, dr = c->qk_rope_dim, W = R + dr;
+    int dv = c->v_head_dim;
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    float *qa = scratch, *qan = qa + (size_t)ntok * rq, *q = qan + (size_t)ntok * rq;
+    float *kva = q + (size_t)ntok * H * dqk, *o = kva + (size_t)ntok * W;
+    float *gate = o + (size_t)ntok * H * dv;
+    kk_matmul(&kc, &ly->q_a, xn, E, ntok, qa, rq);
+    for (int t = 0; t < ntok; t++)
+        kk_rmsnorm(qa + (size_t)t * rq, ly->q_a_norm, rq, 1e-6f, qan + (size_t)t * rq, kc.simd);
+    kk_matmul(&kc, &ly->q_b, qan, rq, ntok, q, H * dqk);
+    kk_matmul(&kc, &ly->kv_a, xn, E, ntok, kva, W);
+    for (int t = 0; t < ntok; t++) {
+        float *row = rows + (size_t)(pos0 + t) * W, *src = kva + (size_t)t * W;
+        /* the norm covers only the latent; the shared rope key is stored as is */
+        kk_rmsnorm(src, ly->kv_a_norm, R, 1e-6f, row, kc.simd);
+        memcpy(row + R, src + R, sizeof(float) * (size_t)dr);
+    }
+    mla_job j = {m, ly, rows, q, o, pos0, ntok, kc.simd};
+    kp_parallel_for(kc.nthreads, H, mla_heads, &j);
+    /* gate, then project; no norm */
+    kk_matmul(&kc, &ly->g_proj_mla, xn, E, ntok, gate, H * dv);
+    for (size_t i = 0; i < (size_t)ntok * H * dv; i++) gate[i] = kk_sigmoid(gate[i]) * o[i];
+    kk_matmul(&kc, &ly->o_proj, gate, H * dv, ntok, out, E);
+}

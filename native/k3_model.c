@@ -1,0 +1,190 @@
+/* k3_model.c: model wiring: embedding, Block AttnRes, the layer loop, final norm and
+ * lm_head (spec 5.1-5.3, 5.8).  Works on chunks of tokens of one sequence; every
+ * per-token computation is the same whatever the chunk, so chunking never moves bits.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_internal.h"
+
+#define KM_CHUNK 64
+
+void km_kk_ctx(const k3_model *m, kk_ctx *c) {
+    c->nthreads = m->nthreads;
+    c->simd = m->simd_available && !m->force_scalar;
+}
+
+/* AttnRes over sources src[0..n) for ntok tokens: softmax over key-normalised scores,
+ * output the softmax-weighted sum of the raw sources in source order. */
+static void km_attn_res(const k3_model *m, float *const *src, int n, const float *u, int ntok,
+                        float *out, int simd) {
+    int E = m->cfg.hidden;
+    float z[K3_MAX_LAYERS + 2];
+    for (int t = 0; t < ntok; t++) {
+        float mx = -INFINITY;
+        for (int s = 0; s < n; s++) {
+            const float *v = src[s] + (size_t)t * E;
+            float inv = 1.0f / sqrtf(kk_dot(v, v, E, simd) / (float)E + m->cfg.rms_eps);
+            z[s] = kk_dot(v, u, E, simd) * inv;
+            if (z[s] > mx) mx = z[s];
+        }
+        float sum = 0.0f;
+        for (int s = 0; s < n; s++) {
+            z[s] = expf(z[s] - mx);
+            sum = sum + z[s];
+        }
+        float *o = out + (size_t)t * E;
+        for (int s = 0; s < n; s++) {
+            float p = z[s] / sum;
+            const float *v = src[s] + (size_t)t * E;
+            if (s == 0)
+                for (int i = 0; i < E; i++) o[i] = p * v[i];
+            else
+                for (int i = 0; i < E; i++) o[i] = o[i] + p * v[i];
+        }
+    }
+}
+
+static void km_embed(const k3_model *m, const int32_t *ids, int ntok, float *h) {
+    int E = m->cfg.hidden;
+    for (int t = 0; t < ntok; t++) {
+        const kk_mat *w = &m->embed;
+        size_t off = (size_t)ids[t] * E;
+        for (int i = 0; i < E; i++) {
+            if (w->dtype == K3_DT_BF16)
+                h[(size_t)t * E + i] = kk_bf16_to_f32(((const uint16_t *)w->data)[off + i]);
+            else if (w->dtype == K3_DT_F16)
+                h[(size_t)t * E + i] = kk_f16_to_f32(((const uint16_t *)w->data)[off + i]);
+            else
+                h[(size_t)t * E + i] = ((const float *)w->data)[off + i];
+        }
+    }
+}
+
+static size_t km_max(size_t a, size_t b) { return a > b ? a : b; }
+
+static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, float *logits,
+                    int all_rows, const volatile int32_t *cancel, char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden, Sb = c->attn_res_block, nsnap = (c->n_layers - 1) / Sb + 1;
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    size_t TE = (size_t)ntok * E;
+    size_t scr = km_max(km_max(kda_scratch_floats(c, ntok), mla_scratch_floats(c, ntok, st->len + ntok)),
+                        km_max(moe_scratch_floats(c, ntok), dense_scratch_floats(c, ntok)));
+    size_t total = TE * (size_t)(nsnap + 4) + scr;
+    float *buf = (float *)malloc(sizeof(float) * total);
+    if (!buf) {
+        km_set_err(err, errlen, "out of memory for activations (%zu floats)", total);
+        return K3_ERR_NOMEM;
+    }
+    float *cur = buf, *x = cur + TE, *xn = x + TE, *a = xn + TE, *scratch = a + TE + TE * nsnap;
+    float *B[K3_MAX_LAYERS + 2];
+    int nB = 0, have_cur = 1, rc = K3_OK;
+    km_embed(m, ids, ntok, cur);
+    for (int L = 0; L < c->n_layers && rc == K3_OK; L++) {
+        if (cancel && *cancel) {
+            km_set_err(err, errlen, "cancelled at layer %d", L);
+            rc = K3_ERR_CANCELLED;
+            break;
+        }
+        const km_layer *ly = &m->layers[L];
+        /* x: AttnRes over the snapshots and the running prefix (just h at L = 0) */
+        if (nB == 0) {
+            memcpy(x, cur, sizeof(float) * TE);
+        } else {
+            B[nB] = cur;
+            km_attn_res(m, B, nB + 1, ly->attn_res_u, ntok, x, kc.simd);
+        }
+        if (L % Sb == 0) { /* push the pre-attention prefix, then reset it */
+            B[nB] = a + TE + TE * nB;
+            memcpy(B[nB], cur, sizeof(float) * TE);
+            nB++;
+            have_cur = 0;
+        }
+        for (int t = 0; t < ntok; t++)
+            kk_rmsnorm(x + (size_t)t * E, ly->input_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->is_mla) {
+            mla_forward(m, ly, st->mla_rows[ly->mla_index], st->len, xn, ntok, a, scratch);
+        } else {
+            int slot = st->shared_slot ? 0 : ly->kda_index;
+            if (st->shared_slot) { /* one scratch slot, re-zeroed for every KDA layer */
+                size_t P = (size_t)c->kda_heads * c->kda_head_dim;
+                memset(st->kda_s[0], 0, sizeof(float) * P * c->kda_head_dim);
+                memset(st->kda_conv[0], 0, sizeof(float) * 3 * P * (c->conv_kernel - 1));
+            }
+            kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch);
+        }
+        if (have_cur) {
+            for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
+        } else {
+            memcpy(cur, a, sizeof(float) * TE);
+            have_cur = 1;
+        }
+        B[nB] = cur;
+        km_attn_res(m, B, nB + 1, ly->mlp_res_u, ntok, x, kc.simd);
+        for (int t = 0; t < ntok; t++)
+            kk_rmsnorm(x + (size_t)t * E, ly->post_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->is_moe)
+            rc = moe_forward(m, L, ly, xn, ntok, a, scratch, err, errlen);
+        else
+            dense_forward(m, ly, xn, ntok, a, scratch);
+        if (rc == K3_OK)
+            for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
+    }
+    if (rc == K3_OK && logits) {
+        B[nB] = cur;
+        km_attn_res(m, B, nB + 1, m->out_res_u, ntok, x, kc.simd);
+        int first = all_rows ? 0 : ntok - 1;
+        for (int t = first; t < ntok; t++)
+            kk_rmsnorm(x + (size_t)t * E, m->final_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        kk_matmul(&kc, &m->lm_head, xn + (size_t)first * E, E, ntok - first, logits, c->vocab);
+    }
+    free(buf);
+    return rc;
+}
+
+int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
+               float *logits_all, const volatile int32_t *cancel, char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    if (n <= 0) {
+        km_set_err(err, errlen, "nothing to feed");
+        return K3_ERR_INVALID;
+    }
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab) {
+            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
+                       c->vocab);
+            return K3_ERR_INVALID;
+        }
+    if ((int64_t)st->len + n > st->cap) {
+        km_set_err(err, errlen, "context full: %d positions fed + %d new > capacity %d", st->len, n, st->cap);
+        return K3_ERR_INVALID;
+    }
+    /* the shared KDA slot only holds within one pass over the whole sequence */
+    int chunk = st->shared_slot ? n : KM_CHUNK;
+    for (int done = 0; done < n;) {
+        int cn = n - done < chunk ? n - done : chunk;
+        int last_chunk = done + cn == n;
+        float *lg = NULL;
+        int all_rows = 0;
+        float *tmp = NULL;
+        if (logits_all) {
+            lg = logits_all + (size_t)done * c->vocab;
+            all_rows = 1;
+        } else if (logits_last && last_chunk) {
+            lg = logits_last;
+        }
+        int rc = km_chunk(m, st, ids + done, cn, lg, all_rows, cancel, err, errlen);
+        if (rc == K3_OK && logits_all && logits_last && last_chunk)
+            memcpy(logits_last, logits_all + (size_t)(n - 1) * c->vocab, sizeof(float) * c->vocab);
+        free(tmp);
+        if (rc != K3_OK) return rc;
+        memcpy(st->ids + st->len, ids + done, sizeof(int32_t) * cn);
+        st->len += cn;
+        m->stats.tokens_fed += (uint64_t)cn;
+        done += cn;
+    }
+    return K3_OK;
+}

@@ -1,0 +1,142 @@
+/* k3_moe.c: Stable LatentMoE (spec 5.6) and the dense SiTU-GLU MLP (spec 5.8).
+ *
+ * Router on the full-width x (sigmoid scores, bias for selection only), routed experts
+ * in the latent space from MXFP4 bytes, weighted sum in list order, one RMSNorm on the
+ * aggregate, up-projection; plus the fused shared MLP on x, unweighted.
+ * Each distinct expert of a chunk is acquired once and applied to all its tokens.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_internal.h"
+
+size_t moe_scratch_floats(const k3_config *c, int ntok) {
+    size_t T = ntok, l = c->latent_dim, I = c->expert_width, k = c->top_k, E = c->hidden;
+    size_t shw = c->shared_width;
+    /* logits(n_e) + weights(k) + z(l) + he(k*l) + u(l) + un(l) + r(E) + sh gate/up(2 shw)
+     * + expert scratch: gathered z, g, v (per token) and output */
+    return T * (c->n_experts + k + l + k * l + 2 * l + E + 2 * shw) + T * (l + 2 * I + l) + T * k;
+}
+
+size_t dense_scratch_floats(const k3_config *c, int ntok) { return (size_t)ntok * 2 * c->dense_width; }
+
+/* y = W_down SiTU(W_gate x, W_up x) for ntok tokens. */
+static void kk_glu(const kk_ctx *kc, const k3_config *c, const kk_mat *gate, const kk_mat *up,
+                   const kk_mat *down, const float *x, int ldx, int ntok, float *y, int ldy,
+                   float *scratch) {
+    int w = gate->rows;
+    float *g = scratch, *v = g + (size_t)ntok * w;
+    kk_matmul(kc, gate, x, ldx, ntok, g, w);
+    kk_matmul(kc, up, x, ldx, ntok, v, w);
+    for (size_t i = 0; i < (size_t)ntok * w; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
+    kk_matmul(kc, down, g, w, ntok, y, ldy);
+}
+
+void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int ntok, float *out,
+                   float *scratch) {
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    kk_glu(&kc, &m->cfg, &ly->mlp_gate, &ly->mlp_up, &ly->mlp_down, xn, m->cfg.hidden, ntok, out,
+           m->cfg.hidden, scratch);
+}
+
+/* Top-k by biased score, descending, ties to the lower index. */
+static void moe_select(const float *s, const float *bias, int n, int k, int *sel) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        float bv = 0.0f;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= sel[i] == e;
+            if (taken) continue;
+            float v = s[e] + bias[e];
+            if (best < 0 || v > bv) {
+                best = e;
+                bv = v;
+            }
+        }
+        sel[j] = best;
+    }
+}
+
+int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok, float *out,
+                float *scratch, char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden, ne = c->n_experts, k = c->top_k, l = c->latent_dim, I = c->expert_width;
+    int shw = c->shared_width;
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    size_t T = ntok;
+    float *logits = scratch, *wts = logits + T * ne, *z = wts + T * k, *he = z + T * l;
+    float *u = he + T * k * l, *un = u + T * l, *r = un + T * l, *shs = r + T * E;
+    float *zg = shs + T * 2 * shw, *g = zg + T * l, *v = g + T * I, *ho = v + T * I;
+    int *sel = (int *)malloc(sizeof(int) * T * k);
+    int *tok = (int *)malloc(sizeof(int) * T), *slot = (int *)malloc(sizeof(int) * T);
+    if (!sel || !tok || !slot) {
+        free(sel);
+        free(tok);
+        free(slot);
+        km_set_err(err, errlen, "out of memory in the MoE of layer %d", L);
+        return K3_ERR_NOMEM;
+    }
+    /* router: sigmoid scores, bias selects, unbiased scores weigh */
+    kk_matmul(&kc, &ly->router, xn, E, ntok, logits, ne);
+    for (size_t t = 0; t < T; t++) {
+        float *s = logits + t * ne;
+        for (int e = 0; e < ne; e++) s[e] = kk_sigmoid(s[e]);
+        moe_select(s, ly->router_bias, ne, k, sel + t * k);
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum = sum + s[sel[t * k + j]];
+        for (int j = 0; j < k; j++) {
+            float w = s[sel[t * k + j]];
+            if (k > 1 && c->moe_renormalize) w = w / (sum + 1e-20f);
+            wts[t * k + j] = w * c->routed_scaling;
+        }
+    }
+    kk_matmul(&kc, &ly->lat_down, xn, E, ntok, z, l);
+    /* each distinct expert once, applied to every token that chose it */
+    int rc = K3_OK;
+    for (int e = 0; e < ne && rc == K3_OK; e++) {
+        int n = 0;
+        for (size_t t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (sel[t * k + j] == e) {
+                    tok[n] = (int)t;
+                    slot[n] = j;
+                    n++;
+                }
+        if (n == 0) continue;
+        kx_view ev;
+        rc = m->experts.acquire(m->experts.ctx, L, e, &ev, err, errlen);
+        if (rc != K3_OK) break;
+        for (int i = 0; i < n; i++) memcpy(zg + (size_t)i * l, z + (size_t)tok[i] * l, sizeof(float) * l);
+        kk_mxfp4_matmul(&kc, ev.w1p, ev.w1s, I, l, zg, l, n, g, I, &m->stats.e8m0_nan_groups);
+        kk_mxfp4_matmul(&kc, ev.w3p, ev.w3s, I, l, zg, l, n, v, I, &m->stats.e8m0_nan_groups);
+        for (size_t i = 0; i < (size_t)n * I; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
+        kk_mxfp4_matmul(&kc, ev.w2p, ev.w2s, l, I, g, I, n, ho, l, &m->stats.e8m0_nan_groups);
+        for (int i = 0; i < n; i++)
+            memcpy(he + ((size_t)tok[i] * k + slot[i]) * l, ho + (size_t)i * l, sizeof(float) * l);
+        m->experts.release(m->experts.ctx, L, e);
+        m->stats.expert_uses += (uint64_t)n;
+    }
+    free(sel);
+    free(tok);
+    free(slot);
+    if (rc != K3_OK) return rc;
+    /* weighted sum in list order, one norm on the aggregate, then up */
+    for (size_t t = 0; t < T; t++) {
+        float *ut = u + t * l;
+        for (int x = 0; x < l; x++) ut[x] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float *h = he + (t * k + j) * l;
+            float w = wts[t * k + j];
+            for (int x = 0; x < l; x++) ut[x] = ut[x] + w * h[x];
+        }
+        kk_rmsnorm(ut, ly->lat_norm, l, c->rms_eps, un + t * l, kc.simd);
+    }
+    kk_matmul(&kc, &ly->lat_up, un, l, ntok, r, E);
+    kk_glu(&kc, c, &ly->sh_gate, &ly->sh_up, &ly->sh_down, xn, E, ntok, out, E, shs);
+    for (size_t i = 0; i < T * E; i++) out[i] = r[i] + out[i];
+    return K3_OK;
+}

@@ -1,0 +1,97 @@
+"""`k3chat run MODEL_DIR --ids ...`: output, JSON contents and exit codes, as a user runs it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def k3chat(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "k3chat.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_run_ids_matches_oracle(tiny_dir: Path, tiny_oracle: dict[str, np.ndarray], tmp_path: Path) -> None:
+    prompt = [int(x) for x in tiny_oracle["prompt_ids"]]
+    out = tmp_path / "run.json"
+    r = k3chat("run", str(tiny_dir), "--ids", ",".join(map(str, prompt)), "--gen", "16", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["prompt_ids"] == prompt
+    assert res["generated_ids"] == [int(x) for x in tiny_oracle["full_ids"][12:28]]
+    first = np.array(res["logits_first"], dtype=np.float64)
+    ref = tiny_oracle["logits"][11].astype(np.float64)
+    assert first.shape == ref.shape
+    assert np.abs(first - ref).max() <= 5e-5 * max(1.0, np.abs(ref).max())
+    assert res["seconds_per_token"] > 0
+    assert res["interrupted"] is False and res["error"] is None
+
+
+def test_readme_example_runs(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    r = k3chat("run", str(tiny_dir), "--ids", "3,7,11,5,9", "--gen", "16", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(out.read_text())["generated_ids"]) == 16
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ids", "1,x"], "comma-separated"),
+    (["--ids", "1,2", "--gen", "0"], "positive"),
+    (["--ids", "999999"], "outside the vocabulary"),
+])
+def test_usage_errors_exit_2(tiny_dir: Path, args: list[str], needle: str) -> None:
+    r = k3chat("run", str(tiny_dir), *args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+
+
+def test_missing_model_dir_exits_2(tmp_path: Path) -> None:
+    r = k3chat("run", str(tmp_path / "nope"), "--ids", "1,2")
+    assert r.returncode == 2
+    assert "config.json" in r.stderr
+
+
+def test_corrupt_config_exits_2(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["text_config"]["hidden_size"]
+    del cfg["text_config"]["rms_norm_eps"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = k3chat("run", str(bad), "--ids", "1,2")
+    assert r.returncode == 2
+    assert "hidden_size" in r.stderr and "rms_norm_eps" in r.stderr
+
+
+def test_truncated_shard_exits_2(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "trunc"
+    shutil.copytree(tiny_dir, bad)
+    shard = sorted(bad.glob("model-00003-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    r = k3chat("run", str(bad), "--ids", "1,2")
+    assert r.returncode == 2
+    assert shard.name in r.stderr
+
+
+def test_sigint_finishes_step_and_exits_5(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "int.json"
+    p = subprocess.Popen([sys.executable, "-m", "k3chat.cli", "run", str(tiny_dir), "--ids", "1,2,3",
+                          "--gen", "200000", "--json", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(4.0)
+    assert p.poll() is None, "generation ended before the signal was sent"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 5, err
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True
+    assert 0 < len(res["generated_ids"]) < 200000

@@ -1,0 +1,1 @@
+"""Textual stylesheets and theme definitions shipped with k3chat."""
