@@ -23,7 +23,7 @@ from .safetensors_io import Checkpoint, open_checkpoint
 
 __all__ = [
     "EngineError", "ExpertReadError", "TrunkReadError", "Cancelled", "Model", "Session",
-    "CancelFlag", "StateArrays",
+    "CancelFlag", "StateArrays", "StreamOptions",
 ]
 
 _DTYPES = {"U8": 0, "BF16": 1, "F16": 2, "F32": 3}
@@ -105,6 +105,23 @@ def engine_config(cfg: ModelConfig) -> Any:
 
 
 @dataclass(frozen=True)
+class StreamOptions:
+    """How the engine holds weights (see k3_open_opts in native/k3.h).
+
+    The defaults keep every weight resident, experts read on first use and kept.
+    Output bits never depend on any of these settings."""
+
+    expert_cache_bytes: int = 0      # 0: no limit
+    reader_threads: int = 2
+    direct_io: bool = True
+    lookahead: int = 0               # experts per token prefetched for the next layer
+    prefetch: bool = True            # reader threads read a layer's misses at once
+    trunk_stream: bool = False
+    ring_slots: int = 2
+    pinned: tuple[int, ...] = ()     # layers kept resident while streaming
+
+
+@dataclass(frozen=True)
 class StateArrays:
     """A session's state decoded from the engine's export layout (k3_state.c)."""
 
@@ -117,9 +134,11 @@ class StateArrays:
 class Model:
     """An open checkpoint: validated tensors resident in the C engine."""
 
-    def __init__(self, model_dir: str | Path, *, threads: int = 1, scalar: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, *, threads: int = 1, scalar: bool = False,
+                 streaming: StreamOptions | None = None) -> None:
         ffi, lib = _lib()
         self.dir = Path(model_dir)
+        self.streaming = streaming or StreamOptions()
         self.config: ModelConfig = load_config(self.dir)
         self.checkpoint: Checkpoint = open_checkpoint(self.dir)
         bind(self.config, self.checkpoint)
@@ -149,11 +168,34 @@ class Model:
             d.nbytes = t.nbytes
         err = ffi.new("char[]", 1024)
         out = ffi.new("k3_model **")
-        rc = lib.k3_model_open(engine_config(self.config), paths, len(shards), descs, len(infos), out, err, 1024)
+        rc = lib.k3_model_open(engine_config(self.config), paths, len(shards), descs, len(infos),
+                               self._opts(self.streaming), out, err, 1024)
         _raise(rc, ffi.string(err).decode(errors="replace"))
         self._h = ffi.gc(out[0], lib.k3_model_close)
         self.set_threads(threads)
         self.set_scalar(scalar)
+
+    def _opts(self, so: StreamOptions | None) -> Any:
+        ffi, lib = _lib()
+        so = so or StreamOptions()
+        o = ffi.new("k3_open_opts *")
+        o.expert_cache_bytes = int(so.expert_cache_bytes)
+        o.reader_threads = int(so.reader_threads)
+        o.direct_io = 1 if so.direct_io else 0
+        o.lookahead = int(so.lookahead)
+        o.prefetch = 1 if so.prefetch else 0
+        o.trunk_stream = 1 if so.trunk_stream else 0
+        o.ring_slots = int(so.ring_slots)
+        for L in so.pinned:
+            if not 0 <= L < self.config.n_layers:
+                raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")
+            o.pinned[L] = 1
+        self._keep_opts = o
+        return o
+
+    def inject_fault(self, layer: int, expert: int, kind: int = 1) -> None:
+        """Test hook: the next read of (layer, expert) fails with EIO (expert -1: trunk)."""
+        self._call("k3_model_inject_fault", int(layer), int(expert), int(kind))
 
     # ---- settings ----
     def set_threads(self, n: int) -> None:

@@ -175,7 +175,8 @@ class Sampler:
         l64 = logits.astype(np.float64)
         t = float(s.temperature)
         # Step 1, in the peer's order: l_i/T - l_max/T, then exp, in float64.
-        p = np.exp(l64 / t - float(l64.max()) / t)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf logits: step 2 handles them
+            p = np.exp(l64 / t - float(l64.max()) / t)
         total = float(np.cumsum(p)[-1])  # sequential sum, as the peer adds
         if not math.isfinite(total) or not total > 0:
             return argmax_first(logits)  # step 2: no draw

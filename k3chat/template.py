@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from k3chat.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Tokenizer
+from k3chat.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, IncrementalDecoder, Tokenizer
 
 EFFORTS: tuple[str, ...] = ("low", "high", "max")
 
@@ -64,7 +64,7 @@ def _ctl(name: str) -> list[Segment]:
 
 def escape_attr(value: Any) -> str:
     """ESC of spec 1.2: `&` first (so `&quot;` is not escaped again), then `"`; nothing else."""
-    return str(value).replace('"', "&quot;").replace("&", "&amp;")
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
 def _attr(key: str, value: Any) -> list[Segment]:
@@ -368,14 +368,6 @@ def _find(ids: Sequence[int], seq: Sequence[int], start: int = 0) -> int:
     return -1
 
 
-def _proper_prefix_tail(ids: Sequence[int], seq: Sequence[int]) -> int:
-    """Length of the longest suffix of ids that is a proper prefix of seq."""
-    for k in range(min(len(seq) - 1, len(ids)), 0, -1):
-        if list(ids[len(ids) - k :]) == list(seq[:k]):
-            return k
-    return 0
-
-
 class Grammar:
     """BOUNDARY, CLOSURE and END computed from a loaded tokenizer (spec 1.7)."""
 
@@ -430,8 +422,9 @@ class Grammar:
         """Spec 5.4: keep what an interrupted or malformed turn said, never a special id.
 
         Each part runs to its delimiter (BOUNDARY, then CLOSURE) or to the first other
-        special id (the cut; END ids included); a dangling proper prefix of the delimiter
-        is dropped.
+        special id (the cut; END ids included). Step 4 (drop a dangling proper prefix of
+        the delimiter) needs no code: both delimiters begin with <|close|>, a special id,
+        so the cut always falls where such a prefix starts.
         """
         g = list(ids)
         reasoning: str | None = None
@@ -439,15 +432,11 @@ class Grammar:
         if thinking:
             b, found = self._scan_to(g, 0, self.boundary)
             if not found:
-                r = g[:b]
-                r = r[: len(r) - _proper_prefix_tail(r, self.boundary)]
-                return ParsedTurn(reasoning=self.tokenizer.decode(r), content="")
+                return ParsedTurn(reasoning=self.tokenizer.decode(g[:b]), content="")
             reasoning = self.tokenizer.decode(g[:b])
             body = b + len(self.boundary)
         c, _ = self._scan_to(g, body, self.closure)
-        content = g[body:c]
-        content = content[: len(content) - _proper_prefix_tail(content, self.closure)]
-        return ParsedTurn(reasoning=reasoning, content=self.tokenizer.decode(content))
+        return ParsedTurn(reasoning=reasoning, content=self.tokenizer.decode(g[body:c]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -467,13 +456,13 @@ class StreamParser:
         self._channel = "reasoning" if thinking else "content"
         self._dec = self._decoder()
 
-    def _decoder(self):  # type: ignore[no-untyped-def]
+    def _decoder(self) -> IncrementalDecoder:
         seq = self._g.boundary if self._channel == "reasoning" else self._g.closure
         return self._g.tokenizer.stream_decoder([seq])
 
     @property
     def channel(self) -> str:
-        """"reasoning", "content", or "done" once the response is closed or cut."""
+        """The current channel: "reasoning", "content", or "done" once closed or cut."""
         return self._channel
 
     def push(self, token_id: int) -> list[tuple[str, str]]:

@@ -68,6 +68,20 @@ typedef struct k3_tensor_desc {
     uint64_t nbytes;
 } k3_tensor_desc;
 
+/* How the model holds its weights.  Zeroed options mean: every weight resident,
+ * experts loaded on first use and kept. */
+typedef struct k3_open_opts {
+    uint64_t expert_cache_bytes; /* 0: no limit (a slot for every expert) */
+    int32_t reader_threads;      /* expert reader threads, 0 -> 2 */
+    int32_t direct_io;           /* 1: try O_DIRECT (falls back to buffered, reported) */
+    int32_t lookahead;           /* experts per token prefetched for the next layer; 0 off */
+    int32_t prefetch;            /* 1: a layer's misses are read at once by the readers;
+                                  * 0: read one by one on the compute thread */
+    int32_t trunk_stream;        /* 1: layers not pinned are streamed through a ring */
+    int32_t ring_slots;          /* >= 2 when streaming */
+    uint8_t pinned[K3_MAX_LAYERS];
+} k3_open_opts;
+
 typedef struct k3_stats {
     uint64_t trunk_bytes_read;
     uint64_t expert_bytes_read;
@@ -78,6 +92,17 @@ typedef struct k3_stats {
     uint64_t e8m0_nan_groups;       /* scale byte 255: decoded as zeros */
     uint64_t expert_uses;           /* (token, expert) products computed */
     uint64_t tokens_fed;
+    uint64_t cache_hits;            /* expert found in the cache (or already in flight) */
+    uint64_t cache_misses;          /* expert had to be read */
+    uint64_t cache_evictions;
+    uint64_t lookahead_issued;      /* prefetch reads started by the router lookahead */
+    uint64_t lookahead_used;        /* ... later used by the real router */
+    uint64_t lookahead_wasted;      /* ... evicted unused */
+    uint64_t io_wait_ns;            /* compute thread waiting for expert or trunk bytes */
+    uint64_t trunk_stream_reads;    /* streamed layer loads */
+    uint64_t direct_io;             /* 1 if O_DIRECT reads are in use */
+    uint64_t direct_io_refused;     /* 1 if O_DIRECT was asked for and refused */
+    uint64_t expert_slots;          /* cache capacity in experts */
 } k3_stats;
 
 typedef struct k3_model k3_model;
@@ -85,8 +110,8 @@ typedef struct k3_session k3_session;
 
 /* ---- model ---- */
 int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t n_shards,
-                  const k3_tensor_desc *tensors, int32_t n_tensors, k3_model **out,
-                  char *err, size_t errlen);
+                  const k3_tensor_desc *tensors, int32_t n_tensors, const k3_open_opts *opts,
+                  k3_model **out, char *err, size_t errlen);
 void k3_model_close(k3_model *m);
 const char *k3_model_error(const k3_model *m);
 /* Threads used by this model's kernels (1..64); output bits never depend on it. */
@@ -96,6 +121,9 @@ int k3_model_set_scalar(k3_model *m, int32_t on);
 /* 1 if SIMD kernels are in use right now. */
 int32_t k3_model_simd_active(const k3_model *m);
 int k3_model_stats(const k3_model *m, k3_stats *out);
+/* Test hook: the next read of (layer, expert) fails with EIO (expert -1: that layer's
+ * streamed trunk).  kind 0 clears. */
+int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind);
 /* Stateless full forward over ids[0..n): logits_all gets n*V floats.
  * shared_kda_slot = 1 uses one KDA state slot re-zeroed before each KDA layer. */
 int k3_model_forward(k3_model *m, const int32_t *ids, int32_t n, float *logits_all,

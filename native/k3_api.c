@@ -42,6 +42,13 @@ int k3_model_stats(const k3_model *m, k3_stats *out) {
     return K3_OK;
 }
 
+int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind) {
+    m->fault_layer = layer;
+    m->fault_expert = expert;
+    __atomic_store_n(&m->fault_kind, kind, __ATOMIC_SEQ_CST);
+    return K3_OK;
+}
+
 int k3_model_forward(k3_model *m, const int32_t *ids, int32_t n, float *logits_all,
                      int32_t shared_kda_slot) {
     ks_state st;

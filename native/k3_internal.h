@@ -60,18 +60,10 @@ typedef struct kt_shard {
 /* Reads [off, off+n) of a shard fully (pread loop). Returns 0 or -errno; short -> -EIO. */
 int kt_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
 
-/* ---------------- expert source (k3_experts.c) ---------------- */
+/* ---------------- expert store (k3_store.c) ---------------- */
 typedef struct kx_view {
     const uint8_t *w1p, *w1s, *w2p, *w2s, *w3p, *w3s;
 } kx_view;
-
-typedef struct kx_source {
-    void *ctx;
-    /* Fills *out for (layer, expert) or returns K3_ERR_EXPERT_IO with detail in err. */
-    int (*acquire)(void *ctx, int layer, int expert, kx_view *out, char *err, size_t errlen);
-    void (*release)(void *ctx, int layer, int expert);
-    void (*destroy)(void *ctx);
-} kx_source;
 
 typedef struct kx_expert_loc {
     int32_t shard[6];      /* per tensor, order w1p w1s w2p w2s w3p w3s */
@@ -79,6 +71,45 @@ typedef struct kx_expert_loc {
     uint64_t nbytes[6];
     int32_t run;           /* 1: the six tensors tile one range in one shard */
 } kx_expert_loc;
+
+typedef struct kx_store kx_store;
+
+int kx_store_create(k3_model *m, const k3_open_opts *o, kx_store **out, char *err, size_t errlen);
+void kx_store_destroy(kx_store *s);
+/* Largest number of experts one batch may pin. */
+int kx_batch_limit(const kx_store *s);
+/* Pin the batch's experts and start reading the missing ones (sorted by file offset). */
+int kx_begin(kx_store *s, int layer, const int *experts, int n, char *err, size_t errlen);
+/* The next expert of the batch whose bytes are ready, in arrival order. */
+int kx_next(kx_store *s, int *expert, kx_view *view, char *err, size_t errlen);
+/* Unpin the batch. */
+void kx_end(kx_store *s);
+/* Lookahead: start reading these experts of `layer` if absent (never pinned). */
+void kx_hint(kx_store *s, int layer, const int *experts, int n);
+
+/* ---------------- trunk stream (k3_ring.c) ---------------- */
+/* One streamed matrix: where it lives in the shard and where it lands in a ring slot. */
+typedef struct kr_entry {
+    kk_mat *dst;
+    int32_t shard;
+    uint64_t off, nbytes, slot_off;
+} kr_entry;
+
+typedef struct kr_layer {
+    kr_entry *e;
+    int n, cap;
+    int run;               /* 1: one read of [run_lo, run_lo + run_len) fills the slot */
+    int32_t run_shard;
+    uint64_t run_lo, run_len;
+    uint64_t bytes;        /* slot bytes this layer needs */
+} kr_layer;
+
+typedef struct kr_ring kr_ring;
+int kr_ring_create(k3_model *m, char *err, size_t errlen);
+void kr_ring_destroy(kr_ring *r);
+/* Wait until layer L's streamed matrices are in a slot and bind them. */
+int kr_acquire(kr_ring *r, int L, char *err, size_t errlen);
+void kr_release(kr_ring *r, int L);
 
 /* ---------------- model ---------------- */
 typedef struct km_layer {
@@ -102,6 +133,8 @@ typedef struct km_layer {
     kk_mat router, lat_down, lat_up, sh_gate, sh_up, sh_down;
     float *router_bias, *lat_norm;
     kx_expert_loc *experts; /* [n_experts] */
+    int streamed;           /* matrices come through the trunk ring */
+    kr_layer sl;
 } km_layer;
 
 struct k3_model {
@@ -114,7 +147,10 @@ struct k3_model {
     float *final_norm, *out_res_u;
     void **allocs; /* every buffer owned by the model */
     int n_allocs, cap_allocs;
-    kx_source experts;
+    kx_store *store;
+    kr_ring *ring;
+    k3_open_opts opts;
+    int fault_layer, fault_expert, fault_kind;
     int nthreads, force_scalar, simd_available;
     k3_stats stats;
     char err[K3_ERRLEN];
@@ -158,8 +194,10 @@ void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int n
                    float *scratch);
 size_t dense_scratch_floats(const k3_config *c, int ntok);
 
-/* expert sources */
-int kx_resident_create(k3_model *m, kx_source *out, char *err, size_t errlen);
+/* time in ns (monotonic) */
+uint64_t km_now_ns(void);
+/* Reads [off, off+need) into buf starting at an aligned offset: accepts EOF after need. */
+int kt_pread_atleast(int fd, void *buf, uint64_t n, uint64_t off, uint64_t need);
 
 void km_set_err(char *err, size_t errlen, const char *fmt, ...);
 

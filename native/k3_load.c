@@ -94,6 +94,7 @@ typedef struct {
     char *err;
     size_t errlen;
     int failed;
+    kr_layer *stream; /* non-NULL: record matrices for the ring instead of reading them */
 } km_loader;
 
 static int km_cmp_desc_off(const void *a, const void *b) {
@@ -198,6 +199,31 @@ static void km_mat(km_loader *ld, const char *name, int64_t rows, int64_t cols, 
     int64_t shape[2] = {rows, cols};
     const k3_tensor_desc *t = km_need(ld, name, 2, shape, 1);
     if (!t) return;
+    dst->dtype = t->dtype;
+    dst->rows = (int32_t)rows;
+    dst->cols = (int32_t)cols;
+    if (ld->stream) { /* bytes arrive through the ring at use time */
+        kr_layer *sl = ld->stream;
+        if (sl->n == sl->cap) {
+            int nc = sl->cap ? sl->cap * 2 : 16;
+            kr_entry *ne = (kr_entry *)realloc(sl->e, sizeof(kr_entry) * (size_t)nc);
+            if (!ne) {
+                km_set_err(ld->err, ld->errlen, "out of memory");
+                ld->failed = 1;
+                return;
+            }
+            sl->e = ne;
+            sl->cap = nc;
+        }
+        kr_entry *en = &sl->e[sl->n++];
+        en->dst = dst;
+        en->shard = t->shard;
+        en->off = t->offset;
+        en->nbytes = t->nbytes;
+        en->slot_off = 0;
+        dst->data = NULL;
+        return;
+    }
     void *buf = km_alloc(ld->m, t->nbytes);
     uint8_t *owned;
     const uint8_t *raw = buf ? km_raw(ld, t, &owned) : NULL;
@@ -212,6 +238,28 @@ static void km_mat(km_loader *ld, const char *name, int64_t rows, int64_t cols, 
     dst->dtype = t->dtype;
     dst->rows = (int32_t)rows;
     dst->cols = (int32_t)cols;
+}
+
+/* Where each streamed matrix lands in a ring slot: at its run offset when the layer is
+ * one run and every matrix stays aligned to its element size, else packed. */
+static void km_stream_layout(kr_layer *sl) {
+    int aligned = sl->run;
+    for (int i = 0; aligned && i < sl->n; i++) {
+        size_t el = sl->e[i].dst->dtype == K3_DT_F32 ? 4 : 2;
+        if ((sl->e[i].off - sl->run_lo) % el) aligned = 0;
+    }
+    if (aligned) {
+        for (int i = 0; i < sl->n; i++) sl->e[i].slot_off = sl->e[i].off - sl->run_lo;
+        sl->bytes = sl->run_len;
+        return;
+    }
+    sl->run = 0;
+    uint64_t pos = 0;
+    for (int i = 0; i < sl->n; i++) {
+        sl->e[i].slot_off = pos;
+        pos += (sl->e[i].nbytes + 63) & ~(uint64_t)63;
+    }
+    sl->bytes = pos;
 }
 
 static void km_name(char *out, size_t n, int L, const char *suffix) {
@@ -236,10 +284,17 @@ static int km_read_run(km_loader *ld, int L, const k3_tensor_desc **trunk, int n
         end = trunk[i]->offset + trunk[i]->nbytes;
     }
     if (!ok) {
-        ld->m->stats.trunk_fallback_reads++;
+        if (!ld->stream) ld->m->stats.trunk_fallback_reads++;
         return 0;
     }
     uint64_t lo = trunk[0]->offset, len = end - lo;
+    if (ld->stream) { /* remember the run; the ring reads it */
+        ld->stream->run = 1;
+        ld->stream->run_shard = shard;
+        ld->stream->run_lo = lo;
+        ld->stream->run_len = len;
+        return 0;
+    }
     ld->run = (uint8_t *)malloc(len ? len : 1);
     if (!ld->run) {
         km_set_err(ld->err, ld->errlen, "out of memory reading layer %d trunk (%llu bytes)", L,
@@ -339,7 +394,12 @@ static void km_bind_layer(k3_model *m, km_loader *ld, int L) {
         km_mat(ld, N("mlp.down_proj.weight"), E, c->dense_width, &ly->mlp_down);
     } else {
         int64_t ne[1] = {c->n_experts}, nl[1] = {c->latent_dim};
+        /* routers stay resident even when the layer streams: the lookahead of layer L-1
+         * runs this router before the layer's trunk has arrived */
+        kr_layer *streaming = ld->stream;
+        ld->stream = NULL;
         km_mat(ld, N("block_sparse_moe.gate.weight"), c->n_experts, E, &ly->router);
+        ld->stream = streaming;
         ly->router_bias = km_vec(ld, N("block_sparse_moe.gate.e_score_correction_bias"), 1, ne);
         km_mat(ld, N("block_sparse_moe.routed_expert_down_proj.weight"), c->latent_dim, E,
                &ly->lat_down);
@@ -415,7 +475,9 @@ static int km_check_config(const k3_config *c, char *err, size_t errlen) {
 }
 
 static void km_free_all(k3_model *m) {
-    if (m->experts.destroy) m->experts.destroy(m->experts.ctx);
+    kx_store_destroy(m->store);
+    kr_ring_destroy(m->ring);
+    for (int L = 0; m->layers && L < m->cfg.n_layers; L++) free(m->layers[L].sl.e);
     for (int i = 0; i < m->n_allocs; i++) free(m->allocs[i]);
     free(m->allocs);
     if (m->shards) {
@@ -430,8 +492,8 @@ static void km_free_all(k3_model *m) {
 }
 
 int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t n_shards,
-                  const k3_tensor_desc *tensors, int32_t n_tensors, k3_model **out, char *err,
-                  size_t errlen) {
+                  const k3_tensor_desc *tensors, int32_t n_tensors, const k3_open_opts *opts,
+                  k3_model **out, char *err, size_t errlen) {
     *out = NULL;
     if (!cfg || !shard_paths || n_shards < 1 || !tensors || n_tensors < 1) {
         km_set_err(err, errlen, "k3_model_open: empty shard list or tensor table");
@@ -442,6 +504,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     k3_model *m = (k3_model *)calloc(1, sizeof(k3_model));
     if (!m) return K3_ERR_NOMEM;
     m->cfg = *cfg;
+    if (opts) m->opts = *opts;
     m->nthreads = 1;
     m->simd_available = kk_cpu_has_avx2();
     m->shards = (kt_shard *)calloc((size_t)n_shards, sizeof(kt_shard));
@@ -491,13 +554,16 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         ly->is_moe = L >= cfg->first_dense;
         ly->kda_index = ly->is_mla ? -1 : kda++;
         ly->mla_index = ly->is_mla ? mla++ : -1;
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0};
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL};
+        ly->streamed = m->opts.trunk_stream && !m->opts.pinned[L];
+        if (ly->streamed) ld.stream = &ly->sl;
         if (km_read_run(&ld, L, byl + count[L], count[L + 1] - count[L]) != 0) {
             rc = K3_ERR_IO;
             break;
         }
         km_bind_layer(m, &ld, L);
         free(ld.run);
+        if (ly->streamed && !ld.failed) km_stream_layout(&ly->sl);
         if (ld.failed) {
             rc = strstr(err, "read of") ? K3_ERR_IO : K3_ERR_INVALID;
             break;
@@ -507,7 +573,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     m->n_kda = kda;
     m->n_mla = mla;
     if (rc == K3_OK) {
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0};
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL};
         int64_t E = cfg->hidden, vE[1] = {E};
         km_mat(&ld, KM_PREFIX "embed_tokens.weight", cfg->vocab, E, &m->embed);
         km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
@@ -520,7 +586,8 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     free(byl);
     free(start);
     free(ix.slots);
-    if (rc == K3_OK) rc = kx_resident_create(m, &m->experts, err, errlen);
+    if (rc == K3_OK) rc = kx_store_create(m, &m->opts, &m->store, err, errlen);
+    if (rc == K3_OK && m->opts.trunk_stream) rc = kr_ring_create(m, err, errlen);
     if (rc != K3_OK) {
         km_free_all(m);
         return rc;

@@ -90,6 +90,10 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
             break;
         }
         const km_layer *ly = &m->layers[L];
+        if (ly->streamed) {
+            rc = kr_acquire(m->ring, L, err, errlen);
+            if (rc != K3_OK) break;
+        }
         /* x: AttnRes over the snapshots and the running prefix (just h at L = 0) */
         if (nB == 0) {
             memcpy(x, cur, sizeof(float) * TE);
@@ -132,6 +136,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
             dense_forward(m, ly, xn, ntok, a, scratch);
         if (rc == K3_OK)
             for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
+        if (ly->streamed) kr_release(m->ring, L);
     }
     if (rc == K3_OK && logits) {
         B[nB] = cur;

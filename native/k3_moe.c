@@ -16,7 +16,8 @@ size_t moe_scratch_floats(const k3_config *c, int ntok) {
     size_t shw = c->shared_width;
     /* logits(n_e) + weights(k) + z(l) + he(k*l) + u(l) + un(l) + r(E) + sh gate/up(2 shw)
      * + expert scratch: gathered z, g, v (per token) and output */
-    return T * (c->n_experts + k + l + k * l + 2 * l + E + 2 * shw) + T * (l + 2 * I + l) + T * k;
+    return T * (c->n_experts + k + l + k * l + 2 * l + E + 2 * shw) + T * (l + 2 * I + l) + T * k +
+           T * c->n_experts; /* lookahead router scores */
 }
 
 size_t dense_scratch_floats(const k3_config *c, int ntok) { return (size_t)ntok * 2 * c->dense_width; }
@@ -60,6 +61,27 @@ static void moe_select(const float *s, const float *bias, int n, int k, int *sel
     }
 }
 
+/* Router lookahead: layer `next`'s router applied to this layer's MoE input predicts the
+ * experts the next layer will want; their reads start now.  Only a hint: the real router
+ * still decides, so output bits never depend on it. */
+static void moe_lookahead(k3_model *m, int next, const float *xn, int ntok, float *scores) {
+    const k3_config *c = &m->cfg;
+    const km_layer *ny = &m->layers[next];
+    int ne = c->n_experts, width = m->opts.lookahead < ne ? m->opts.lookahead : ne;
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    kk_matmul(&kc, &ny->router, xn, c->hidden, ntok, scores, ne);
+    int *pick = (int *)malloc(sizeof(int) * (size_t)ntok * width);
+    if (!pick) return;
+    for (int t = 0; t < ntok; t++) {
+        float *s = scores + (size_t)t * ne;
+        for (int e = 0; e < ne; e++) s[e] = kk_sigmoid(s[e]);
+        moe_select(s, ny->router_bias, ne, width, pick + (size_t)t * width);
+    }
+    kx_hint(m->store, next, pick, ntok * width);
+    free(pick);
+}
+
 int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok, float *out,
                 float *scratch, char *err, size_t errlen) {
     const k3_config *c = &m->cfg;
@@ -73,7 +95,10 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
     float *zg = shs + T * 2 * shw, *g = zg + T * l, *v = g + T * I, *ho = v + T * I;
     int *sel = (int *)malloc(sizeof(int) * T * k);
     int *tok = (int *)malloc(sizeof(int) * T), *slot = (int *)malloc(sizeof(int) * T);
-    if (!sel || !tok || !slot) {
+    int *distinct = (int *)malloc(sizeof(int) * (size_t)ne);
+    float *scratch_la = ho + T * l;
+    if (!sel || !tok || !slot || !distinct) {
+        free(distinct);
         free(sel);
         free(tok);
         free(slot);
@@ -95,31 +120,48 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
         }
     }
     kk_matmul(&kc, &ly->lat_down, xn, E, ntok, z, l);
-    /* each distinct expert once, applied to every token that chose it */
-    int rc = K3_OK;
-    for (int e = 0; e < ne && rc == K3_OK; e++) {
-        int n = 0;
-        for (size_t t = 0; t < T; t++)
-            for (int j = 0; j < k; j++)
-                if (sel[t * k + j] == e) {
-                    tok[n] = (int)t;
-                    slot[n] = j;
-                    n++;
-                }
-        if (n == 0) continue;
-        kx_view ev;
-        rc = m->experts.acquire(m->experts.ctx, L, e, &ev, err, errlen);
-        if (rc != K3_OK) break;
-        for (int i = 0; i < n; i++) memcpy(zg + (size_t)i * l, z + (size_t)tok[i] * l, sizeof(float) * l);
-        kk_mxfp4_matmul(&kc, ev.w1p, ev.w1s, I, l, zg, l, n, g, I, &m->stats.e8m0_nan_groups);
-        kk_mxfp4_matmul(&kc, ev.w3p, ev.w3s, I, l, zg, l, n, v, I, &m->stats.e8m0_nan_groups);
-        for (size_t i = 0; i < (size_t)n * I; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
-        kk_mxfp4_matmul(&kc, ev.w2p, ev.w2s, l, I, g, I, n, ho, l, &m->stats.e8m0_nan_groups);
-        for (int i = 0; i < n; i++)
-            memcpy(he + ((size_t)tok[i] * k + slot[i]) * l, ho + (size_t)i * l, sizeof(float) * l);
-        m->experts.release(m->experts.ctx, L, e);
-        m->stats.expert_uses += (uint64_t)n;
+    /* distinct experts of the chunk, ascending; each is read at most once per chunk */
+    int nd = 0;
+    for (int e = 0; e < ne; e++) {
+        int used = 0;
+        for (size_t t = 0; t < T * k && !used; t++) used = sel[t] == e;
+        if (used) distinct[nd++] = e;
     }
+    int rc = K3_OK, lim = kx_batch_limit(m->store);
+    for (int w0 = 0; w0 < nd && rc == K3_OK; w0 += lim) {
+        int wn = nd - w0 < lim ? nd - w0 : lim;
+        rc = kx_begin(m->store, L, distinct + w0, wn, err, errlen);
+        /* after this layer's first batch is pinned, so the hint cannot evict it */
+        if (rc == K3_OK && w0 == 0 && L + 1 < c->n_layers && m->layers[L + 1].is_moe && m->opts.lookahead > 0)
+            moe_lookahead(m, L + 1, xn, ntok, scratch_la);
+        for (int got = 0; rc == K3_OK && got < wn; got++) {
+            kx_view ev;
+            int e;
+            rc = kx_next(m->store, &e, &ev, err, errlen);
+            if (rc != K3_OK || e < 0) break;
+            uint64_t t0 = km_now_ns();
+            int n = 0;
+            for (size_t t = 0; t < T; t++)
+                for (int j = 0; j < k; j++)
+                    if (sel[t * k + j] == e) {
+                        tok[n] = (int)t;
+                        slot[n] = j;
+                        n++;
+                    }
+            for (int i = 0; i < n; i++) memcpy(zg + (size_t)i * l, z + (size_t)tok[i] * l, sizeof(float) * l);
+            kk_mxfp4_matmul(&kc, ev.w1p, ev.w1s, I, l, zg, l, n, g, I, &m->stats.e8m0_nan_groups);
+            kk_mxfp4_matmul(&kc, ev.w3p, ev.w3s, I, l, zg, l, n, v, I, &m->stats.e8m0_nan_groups);
+            for (size_t i = 0; i < (size_t)n * I; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
+            kk_mxfp4_matmul(&kc, ev.w2p, ev.w2s, l, I, g, I, n, ho, l, &m->stats.e8m0_nan_groups);
+            /* each (token, slot) product is kept apart: arrival order never moves bits */
+            for (int i = 0; i < n; i++)
+                memcpy(he + ((size_t)tok[i] * k + slot[i]) * l, ho + (size_t)i * l, sizeof(float) * l);
+            m->stats.expert_uses += (uint64_t)n;
+            (void)t0;
+        }
+        kx_end(m->store);
+    }
+    free(distinct);
     free(sel);
     free(tok);
     free(slot);

@@ -120,7 +120,9 @@ def test_g7_scrambled_twin(tiny_scrambled_dir: Path, model: Model, full_ids: lis
     st, sc = twin.stats(), model.stats()
     assert st["trunk_fallback_reads"] > 0 and st["expert_fallback_reads"] > 0
     assert sc["trunk_fallback_reads"] == 0 and sc["expert_fallback_reads"] == 0
-    assert sc["trunk_run_reads"] == 13 and sc["expert_run_reads"] == 12 * 8
+    assert sc["trunk_run_reads"] == 13
+    # every expert the router chose was read exactly once, as one run
+    assert sc["expert_run_reads"] == sc["cache_misses"] > 0
     # G3 on the twin: decode steps equal its own prefill rows
     s = twin.session(T)
     s.feed(full_ids[:PROMPT])

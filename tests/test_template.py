@@ -412,3 +412,14 @@ def test_real_typed_markup_and_paris(real_tok: Tokenizer) -> None:
     ok = [17374, *g.boundary, 17374, *g.closure]
     assert g.parse_strict(ok + [163586], thinking=True) == ParsedTurn(" Paris", " Paris")
     assert g.parse_strict(ok + [163585], thinking=True) == ParsedTurn(" Paris", " Paris")
+
+
+def test_chat_core_does_not_import_textual() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, k3chat.tokenizer, k3chat.template, k3chat.sampler; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'textual']; print(bad); sys.exit(1 if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -314,6 +314,8 @@ def test_tiny_config_matches_spec_9_1(tiny_dirs: dict[str, Path]) -> None:
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (
         by_name["[BOS]"], by_name["<|end_of_msg|>"], by_name["[PAD]"])
     t = cfg["text_config"]
+    assert (t["bos_token_id"], t["eos_token_id"], t["pad_token_id"]) == (
+        cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
     la = t["linear_attn_config"]
     want = {
         "model_type": "kimi_linear", "hidden_size": 128, "num_hidden_layers": 13, "vocab_size": n_ranks + 256,

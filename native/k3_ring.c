@@ -1,0 +1,202 @@
+/* k3_ring.c: trunk streaming for budgets below the trunk size.
+ *
+ * Layers that are not pinned cycle through a ring of at least two slots.  A reader
+ * thread walks the streamed layers in forward order, cyclically, and fills slot
+ * (load mod slots) as soon as compute has released it, so it runs up to slots-1 layers
+ * ahead.  Compute takes loads in the same order; if a pass ended early (an error or a
+ * cancel), loads for the layers it skipped are drained until the wanted layer comes up.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_internal.h"
+
+typedef struct {
+    uint8_t *buf;
+    uint64_t load;  /* which load (sequence number) the slot holds */
+    int state;      /* 0 empty, 1 ready, 2 failed */
+    char err[320];
+} kr_slot;
+
+struct kr_ring {
+    k3_model *m;
+    kr_slot *slots;
+    int nslots;
+    int *seq;       /* streamed layers in forward order */
+    int nseq;
+    uint64_t produced, consumed;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t reader;
+    int started, stop;
+};
+
+static int kr_fill(kr_ring *r, int L, uint8_t *buf, char *err, size_t errlen) {
+    k3_model *m = r->m;
+    const kr_layer *sl = &m->layers[L].sl;
+    int fault = 0;
+    pthread_mutex_lock(&r->mu);
+    if (m->fault_kind && m->fault_layer == L && m->fault_expert == -1) {
+        fault = 1;
+        m->fault_kind = 0;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (sl->run) {
+        int rc = fault ? -EIO : kt_pread_full(m->shards[sl->run_shard].fd, buf, sl->run_len, sl->run_lo);
+        if (rc != 0) {
+            km_set_err(err, errlen, "read of layer %d trunk failed: shard %s offset %llu length %llu: %s", L,
+                       m->shards[sl->run_shard].path, (unsigned long long)sl->run_lo,
+                       (unsigned long long)sl->run_len, strerror(-rc));
+            return K3_ERR_IO;
+        }
+        __atomic_add_fetch(&m->stats.trunk_bytes_read, sl->run_len, __ATOMIC_RELAXED);
+    } else {
+        for (int i = 0; i < sl->n; i++) {
+            const kr_entry *e = &sl->e[i];
+            int rc = fault ? -EIO : kt_pread_full(m->shards[e->shard].fd, buf + e->slot_off, e->nbytes, e->off);
+            if (rc != 0) {
+                km_set_err(err, errlen, "read of layer %d trunk tensor %d failed: shard %s offset %llu length %llu: %s",
+                           L, i, m->shards[e->shard].path, (unsigned long long)e->off,
+                           (unsigned long long)e->nbytes, strerror(-rc));
+                return K3_ERR_IO;
+            }
+            __atomic_add_fetch(&m->stats.trunk_bytes_read, e->nbytes, __ATOMIC_RELAXED);
+        }
+    }
+    __atomic_add_fetch(&m->stats.trunk_stream_reads, 1, __ATOMIC_RELAXED);
+    return K3_OK;
+}
+
+static void *kr_reader(void *arg) {
+    kr_ring *r = (kr_ring *)arg;
+    char err[320];
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && r->produced - r->consumed >= (uint64_t)r->nslots) pthread_cond_wait(&r->cv, &r->mu);
+        if (r->stop) break;
+        uint64_t p = r->produced;
+        kr_slot *s = &r->slots[p % (uint64_t)r->nslots];
+        int L = r->seq[p % (uint64_t)r->nseq];
+        pthread_mutex_unlock(&r->mu);
+        err[0] = 0;
+        int rc = kr_fill(r, L, s->buf, err, sizeof err);
+        pthread_mutex_lock(&r->mu);
+        s->load = p;
+        s->state = rc == K3_OK ? 1 : 2;
+        if (rc != K3_OK) snprintf(s->err, sizeof s->err, "%s", err);
+        r->produced = p + 1;
+        pthread_cond_broadcast(&r->cv);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+int kr_acquire(kr_ring *r, int L, char *err, size_t errlen) {
+    uint64_t t0 = km_now_ns();
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        uint64_t c = r->consumed;
+        while (r->produced <= c) pthread_cond_wait(&r->cv, &r->mu);
+        kr_slot *s = &r->slots[c % (uint64_t)r->nslots];
+        int want = r->seq[c % (uint64_t)r->nseq];
+        if (want != L) { /* a pass ended early: skip the load it never used */
+            s->state = 0;
+            r->consumed = c + 1;
+            pthread_cond_broadcast(&r->cv);
+            continue;
+        }
+        if (s->state == 2) {
+            km_set_err(err, errlen, "%s", s->err);
+            s->state = 0;
+            r->consumed = c + 1; /* the reader will load this layer again next cycle */
+            pthread_cond_broadcast(&r->cv);
+            pthread_mutex_unlock(&r->mu);
+            r->m->stats.io_wait_ns += km_now_ns() - t0;
+            return K3_ERR_IO;
+        }
+        const kr_layer *sl = &r->m->layers[L].sl;
+        for (int i = 0; i < sl->n; i++) sl->e[i].dst->data = s->buf + sl->e[i].slot_off;
+        pthread_mutex_unlock(&r->mu);
+        r->m->stats.io_wait_ns += km_now_ns() - t0;
+        return K3_OK;
+    }
+}
+
+void kr_release(kr_ring *r, int L) {
+    const kr_layer *sl = &r->m->layers[L].sl;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < sl->n; i++) sl->e[i].dst->data = NULL; /* a stale pointer must never be used */
+    r->slots[r->consumed % (uint64_t)r->nslots].state = 0;
+    r->consumed++;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void kr_ring_destroy(kr_ring *r) {
+    if (!r) return;
+    if (r->started) {
+        pthread_mutex_lock(&r->mu);
+        r->stop = 1;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        pthread_join(r->reader, NULL);
+    }
+    for (int i = 0; i < r->nslots; i++) free(r->slots[i].buf);
+    free(r->slots);
+    free(r->seq);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r);
+}
+
+int kr_ring_create(k3_model *m, char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    int n = 0;
+    uint64_t biggest = 0;
+    for (int L = 0; L < c->n_layers; L++)
+        if (m->layers[L].streamed) {
+            n++;
+            if (m->layers[L].sl.bytes > biggest) biggest = m->layers[L].sl.bytes;
+        }
+    if (n == 0) return K3_OK; /* everything pinned */
+    int nslots = m->opts.ring_slots;
+    if (nslots < 2) {
+        km_set_err(err, errlen, "trunk streaming needs a ring of at least 2 slots, got %d", nslots);
+        return K3_ERR_INVALID;
+    }
+    kr_ring *r = (kr_ring *)calloc(1, sizeof *r);
+    if (!r) return K3_ERR_NOMEM;
+    r->m = m;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->nslots = nslots;
+    r->nseq = n;
+    r->slots = (kr_slot *)calloc((size_t)nslots, sizeof(kr_slot));
+    r->seq = (int *)malloc(sizeof(int) * (size_t)n);
+    if (!r->slots || !r->seq) {
+        kr_ring_destroy(r);
+        return K3_ERR_NOMEM;
+    }
+    n = 0;
+    for (int L = 0; L < c->n_layers; L++)
+        if (m->layers[L].streamed) r->seq[n++] = L;
+    for (int i = 0; i < nslots; i++)
+        if (posix_memalign((void **)&r->slots[i].buf, 4096, biggest ? biggest : 64) != 0) {
+            r->slots[i].buf = NULL;
+            km_set_err(err, errlen, "out of memory for %d trunk ring slots of %llu bytes", nslots,
+                       (unsigned long long)biggest);
+            kr_ring_destroy(r);
+            return K3_ERR_NOMEM;
+        }
+    if (pthread_create(&r->reader, NULL, kr_reader, r) != 0) {
+        km_set_err(err, errlen, "cannot start the trunk reader thread");
+        kr_ring_destroy(r);
+        return K3_ERR_RUNTIME;
+    }
+    r->started = 1;
+    m->ring = r;
+    return K3_OK;
+}
