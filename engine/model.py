@@ -194,7 +194,9 @@ class Model:
         return o
 
     def inject_fault(self, layer: int, expert: int, kind: int = 1) -> None:
-        """Test hook: the next read of (layer, expert) fails with EIO (expert -1: trunk)."""
+        """Test hook: the next read of (layer, expert) fails with EIO.
+
+        expert -1 targets the layer's streamed trunk, -2 any expert of the layer."""
         self._call("k3_model_inject_fault", int(layer), int(expert), int(kind))
 
     # ---- settings ----

@@ -122,7 +122,7 @@ int k3_model_set_scalar(k3_model *m, int32_t on);
 int32_t k3_model_simd_active(const k3_model *m);
 int k3_model_stats(const k3_model *m, k3_stats *out);
 /* Test hook: the next read of (layer, expert) fails with EIO (expert -1: that layer's
- * streamed trunk).  kind 0 clears. */
+ * streamed trunk; -2: any expert of that layer).  kind 0 clears. */
 int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind);
 /* Stateless full forward over ids[0..n): logits_all gets n*V floats.
  * shared_kda_slot = 1 uses one KDA state slot re-zeroed before each KDA layer. */

@@ -96,7 +96,7 @@ static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) 
     }
     int fault = 0;
     pthread_mutex_lock(&s->mu);
-    if (m->fault_kind && m->fault_layer == L && m->fault_expert == e) {
+    if (m->fault_kind && m->fault_layer == L && (m->fault_expert == e || m->fault_expert == -2)) {
         fault = 1;
         m->fault_kind = 0;
     }

@@ -37,3 +37,13 @@ def tiny_single_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_oracle(tiny_dir: Path) -> dict[str, np.ndarray]:
     with np.load(tiny_dir / "oracle.npz") as d:
         return {k: d[k] for k in d.files}
+
+
+@pytest.fixture(scope="session")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Many experts (for cache work), with oracle data."""
+    from k3engine.fixture import write_fixture
+
+    out = tmp_path_factory.mktemp("wide")
+    write_fixture("wide", out)
+    return out
