@@ -155,4 +155,15 @@ int k3_session_snapshot(k3_session *s, int32_t *snap_id);
 int k3_session_restore(k3_session *s, int32_t snap_id);
 int k3_session_snapshot_drop(k3_session *s, int32_t snap_id);
 
+/* ---- kernels, exposed for their own tests and for benchmarks ---- */
+/* y[t*rows + r] = W[r,:] . x[t*cols + :] for an MXFP4 matrix (packed [rows, cols/2],
+ * scales [rows, cols/32]); simd 0 forces the portable path.  Returns the number of
+ * scale-255 groups met (decoded as zeros). */
+int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
+                        const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads);
+/* The same for a BF16 matrix [rows, cols]. */
+int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
+                   float *y, int32_t simd, int32_t threads);
+int32_t k3_cpu_has_avx2(void);
+
 #endif

@@ -201,6 +201,79 @@ void kk_mxfp4_decode_row(const uint8_t *packed, const uint8_t *scales, int cols,
     }
 }
 
+#ifdef K3_X86
+/* E2M1 codes times two, as int8: exact integers, so (2e) * (scale / 2) == e * scale.
+ * Code 8 (-0) becomes +0: a signed zero weight never changes a sum that starts at +0. */
+static const int8_t kk_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 32 weights of one group as 4 x 8 floats, in column order. */
+__attribute__((target("avx2"))) static void kk_mx_group_avx2(const uint8_t *p, float half_scale,
+                                                             __m256 out[4]) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kk_e2m1_x2);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    /* element 2j is the low nibble of byte j, element 2j+1 the high one */
+    __m128i e0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+    __m128i e1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+    __m256 sc = _mm256_set1_ps(half_scale);
+    out[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0)), sc);
+    out[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e0, 8))), sc);
+    out[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)), sc);
+    out[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8))), sc);
+}
+
+/* 2^(s-128) for every scale byte, built from bits (s = 0, 1 give exact subnormals). */
+static float kk_half_scale(uint8_t s) {
+    uint32_t bits = s >= 2 ? (uint32_t)(s - 1) << 23 : (s == 1 ? 1u << 22 : 1u << 21);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Decode a row into floats (same values as the scalar decoder up to the sign of zero). */
+__attribute__((target("avx2"))) static void kk_mx_decode_row_avx2(const uint8_t *packed, const uint8_t *scales,
+                                                                  int cols, float *out, uint64_t *nan_groups) {
+    for (int g = 0; g < cols / 32; g++) {
+        if (scales[g] == 255) {
+            memset(out + g * 32, 0, 32 * sizeof(float));
+            if (nan_groups) __atomic_add_fetch(nan_groups, 1, __ATOMIC_RELAXED);
+            continue;
+        }
+        __m256 w[4];
+        kk_mx_group_avx2(packed + g * 16, kk_half_scale(scales[g]), w);
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(out + g * 32 + q * 8, w[q]);
+    }
+}
+
+/* NR rows times one token, fused: each row keeps kk_dot's lane order over its decoded
+ * weights; several rows run side by side only to hide the add latency. */
+#define KK_MX_ROWS 4
+__attribute__((target("avx2"))) static void kk_mx_dot_rows_avx2(const uint8_t *packed, const uint8_t *scales,
+                                                                int nr, int cols, const float *x, float *y,
+                                                                uint64_t *nan_groups) {
+    size_t pr = (size_t)cols / 2, sr = (size_t)cols / 32;
+    __m256 acc[KK_MX_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < cols / 32; g++) {
+        __m256 xv[4];
+        for (int q = 0; q < 4; q++) xv[q] = _mm256_loadu_ps(x + g * 32 + q * 8);
+        for (int r = 0; r < nr; r++) {
+            uint8_t sb = scales[r * sr + g];
+            __m256 w[4];
+            if (sb == 255) {
+                if (nan_groups) __atomic_add_fetch(nan_groups, 1, __ATOMIC_RELAXED);
+                for (int q = 0; q < 4; q++) w[q] = _mm256_setzero_ps();
+            } else {
+                kk_mx_group_avx2(packed + r * pr + g * 16, kk_half_scale(sb), w);
+            }
+            for (int q = 0; q < 4; q++) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w[q], xv[q]));
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = kk_hsum_tree(acc[r], NULL);
+}
+#endif
+
 typedef struct {
     const uint8_t *packed, *scales;
     int rows, cols;
@@ -213,12 +286,26 @@ typedef struct {
 
 static void kk_mx_rows(void *vctx, int b, int e) {
     kk_mx_job *j = (kk_mx_job *)vctx;
+    size_t pr = (size_t)j->cols / 2, sr = (size_t)j->cols / 32;
+#ifdef K3_X86
+    if (j->simd && j->ntok == 1) {
+        for (int r = b; r < e; r += KK_MX_ROWS) {
+            int nr = e - r < KK_MX_ROWS ? e - r : KK_MX_ROWS;
+            kk_mx_dot_rows_avx2(j->packed + r * pr, j->scales + r * sr, nr, j->cols, j->X, j->Y + r, j->nan_groups);
+        }
+        return;
+    }
+#endif
     float stackbuf[4096];
     float *row = j->cols <= 4096 ? stackbuf : (float *)malloc(sizeof(float) * j->cols);
     if (!row) abort(); /* cols is bounded by the config; tiny allocation */
     for (int r = b; r < e; r++) {
-        kk_mxfp4_decode_row(j->packed + (size_t)r * (j->cols / 2),
-                            j->scales + (size_t)r * (j->cols / 32), j->cols, row, j->nan_groups);
+#ifdef K3_X86
+        if (j->simd)
+            kk_mx_decode_row_avx2(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
+        else
+#endif
+            kk_mxfp4_decode_row(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
         for (int t = 0; t < j->ntok; t++)
             j->Y[(size_t)t * j->ldy + r] = kk_dot(row, j->X + (size_t)t * j->ldx, j->cols, j->simd);
     }

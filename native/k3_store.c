@@ -83,6 +83,26 @@ static void kx_key_split(const kx_store *s, int key, int *layer, int *expert) {
     *expert = key % s->m->cfg.n_experts;
 }
 
+/* Scale bytes 253 and 254 put E2M1 values past the fp32 range (6 * 2^126 > FLT_MAX): no
+ * real checkpoint holds them, so bytes like that mean a damaged read or file.  (255 is
+ * the MX NaN scale: a zero group, counted by the kernels.) */
+static int kx_check_scales(kx_store *s, const kx_slot *sl, int L, int e, char *err, size_t errlen) {
+    const kx_expert_loc *loc = &s->m->layers[L].experts[e];
+    uint64_t pos = 0;
+    for (int i = 0; i < 6; i++) {
+        if (i % 2 == 1)
+            for (uint64_t b = 0; b < loc->nbytes[i]; b++)
+                if (sl->data[pos + b] == 253 || sl->data[pos + b] == 254) {
+                    km_set_err(err, errlen, "layer %d expert %d: scale byte %u at byte %llu of tensor %d (shard %s, tensor offset %llu) decodes past the fp32 range; the expert's bytes are damaged",
+                               L, e, sl->data[pos + b], (unsigned long long)b, i, s->m->shards[loc->shard[i]].path,
+                               (unsigned long long)loc->offset[i]);
+                    return K3_ERR_EXPERT_IO;
+                }
+        pos += loc->nbytes[i];
+    }
+    return K3_OK;
+}
+
 /* Read one expert into its slot.  Called without the lock held. */
 static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) {
     k3_model *m = s->m;
@@ -142,7 +162,7 @@ static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) 
         __atomic_add_fetch(&m->stats.expert_fallback_reads, 1, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&m->stats.expert_bytes_read, s->expert_bytes, __ATOMIC_RELAXED);
-    return K3_OK;
+    return kx_check_scales(s, sl, L, e, err, errlen);
 }
 
 static void kx_finish(kx_store *s, int idx, int rc, const char *err) {

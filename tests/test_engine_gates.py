@@ -154,6 +154,13 @@ def test_scalar_vs_simd_bit_identical(tiny_dir: Path, full_ids: list[int]) -> No
     assert not m.simd_active
     scalar = m.forward(full_ids)
     assert same_bits(simd, scalar)
+    # decode steps take the fused one-token kernels: compare those too
+    rows = {}
+    for on in (False, True):
+        m.set_scalar(on)
+        s = m.session(T)
+        rows[on] = [s.feed(full_ids[:PROMPT])] + [s.feed([t]) for t in full_ids[PROMPT:]]
+    assert all(same_bits(a, b) for a, b in zip(rows[False], rows[True]))
 
 
 def test_chunked_prefill_bit_identical(model: Model) -> None:

@@ -153,3 +153,24 @@ def test_shard_truncated_after_open(wide_dir: Path, wide_ids: list[int], tmp_pat
         s.feed(wide_ids[:8])
     assert "layer 1 expert" in str(ei.value) and shard.name in str(ei.value)
     assert s.tainted
+
+
+def test_impossible_scale_bytes_stop_the_step(wide_dir: Path, wide_ids: list[int], tmp_path: Path) -> None:
+    from k3engine.safetensors_io import read_header
+
+    copy = tmp_path / "wide"
+    shutil.copytree(wide_dir, copy)
+    shard = sorted(copy.glob("model-00002-of-*.safetensors"))[0]
+    header = read_header(shard)
+    with open(shard, "r+b") as f:
+        for name, info in header.items():
+            if ".experts." in name and name.endswith("w1.weight_scale"):
+                f.seek(info.start)
+                f.write(bytes([254]))  # decodes past fp32: no real checkpoint has it
+    m = Model(copy)
+    s = m.session(len(wide_ids))
+    with pytest.raises(ExpertReadError) as ei:
+        s.feed(wide_ids[:8])
+    msg = str(ei.value)
+    assert "layer 1 expert" in msg and "scale byte 254" in msg and shard.name in msg
+    assert s.tainted

@@ -1,0 +1,77 @@
+"""Kernel-level checks: MXFP4 and BF16 products against float64 references, and the
+portable and AVX2 paths bit-identical on awkward inputs (extreme scales, -0 codes,
+scale 255, row counts that are not multiples of the SIMD row block)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3engine import mxfp4
+from k3engine._k3 import ffi, lib
+
+
+def mx_matmul(packed: np.ndarray, scales: np.ndarray, x: np.ndarray, simd: int, threads: int = 1) -> tuple[np.ndarray, int]:
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    ntok = x.shape[0]
+    y = np.empty((ntok, rows), dtype=np.float32)
+    p, s, xx = (np.ascontiguousarray(a) for a in (packed, scales, x.astype(np.float32)))
+    nan = lib.k3_kernel_mxfp4(ffi.from_buffer("uint8_t[]", p), ffi.from_buffer("uint8_t[]", s), rows, cols,
+                              ffi.from_buffer("float[]", xx), ntok, ffi.from_buffer("float[]", y), simd, threads)
+    assert nan >= 0
+    return y, int(nan)
+
+
+def awkward(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    packed[0, :4] = 0x88  # -0 codes in both nibbles
+    scales = rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8)
+    scales[0, 0], scales[1 % rows, -1] = 0, 1   # subnormal scales, never flushed
+    scales[2 % rows, 0] = 252  # 6 * 2^125: the largest group that stays inside fp32
+    scales[3 % rows, 1 % (cols // 32)] = 255     # NaN scale: a zero group, counted
+    return packed, scales
+
+
+@pytest.mark.parametrize("rows,cols,ntok", [(7, 64, 1), (13, 96, 1), (9, 64, 3), (64, 3584, 1), (5, 32, 2)])
+def test_mxfp4_matches_float64_reference(rows: int, cols: int, ntok: int) -> None:
+    packed, scales = awkward(rows, cols, rows * cols)
+    x = np.random.default_rng(1).standard_normal((ntok, cols)).astype(np.float32)
+    x[:, :32] *= 1e-30  # meets row 2's 2^125 group without leaving fp32
+    w, nan_ref = mxfp4.decode(packed, scales)
+    ref = x.astype(np.float64) @ w.T
+    got, nan = mx_matmul(packed, scales, x, simd=0)
+    assert nan_ref == 1 and nan == nan_ref  # one scale-255 group, counted once per row decode
+    assert np.allclose(got, ref, rtol=1e-5, atol=1e-30 + 1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("rows,cols,ntok", [(7, 64, 1), (13, 96, 1), (9, 64, 3), (64, 3584, 1), (3, 3584, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mxfp4_simd_equals_scalar_bits(rows: int, cols: int, ntok: int, threads: int) -> None:
+    if not lib.k3_cpu_has_avx2():
+        pytest.skip("no AVX2 on this CPU: only the portable kernel exists here")
+    packed, scales = awkward(rows, cols, 7 + rows)
+    x = np.random.default_rng(2).standard_normal((ntok, cols)).astype(np.float32)
+    x[:, :32] *= 1e-30
+    x[:, :5] = [0.0, -0.0, 1e-38, -3e-8, 2.0]
+    a, _ = mx_matmul(packed, scales, x, simd=0, threads=1)
+    b, _ = mx_matmul(packed, scales, x, simd=1, threads=threads)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_bf16_simd_equals_scalar_bits_and_reference() -> None:
+    rng = np.random.default_rng(3)
+    rows, cols, ntok = 11, 203, 3  # a tail after the 8-lane blocks
+    wf32 = (rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-20, 20, (rows, cols)))).astype(np.float32)
+    w16 = (wf32.view(np.uint32) >> 16).astype(np.uint16)  # truncated to BF16, any exponent
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    out = []
+    for simd in (0, 1):
+        y = np.empty((ntok, rows), dtype=np.float32)
+        assert lib.k3_kernel_bf16(ffi.from_buffer("uint16_t[]", w16), rows, cols, ffi.from_buffer("float[]", x),
+                                  ntok, ffi.from_buffer("float[]", y), simd, 1) == 0
+        out.append(y)
+    wf = (w16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref = x.astype(np.float64) @ wf.T
+    assert np.allclose(out[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    if lib.k3_cpu_has_avx2():
+        assert out[0].tobytes() == out[1].tobytes()
