@@ -20,7 +20,7 @@ from .errors import TensorSetError
 from .safetensors_io import LANGUAGE_PREFIX, Checkpoint, TensorInfo
 
 __all__ = [
-    "TensorSpec", "Run", "RunPlan", "EXPERT_PARTS",
+    "TensorSpec", "Run", "RunPlan", "EXPERT_PARTS", "EXPERT_MARK",
     "expected_tensors", "trunk_specs", "model_specs", "expert_specs", "expert_names",
     "layer_prefix", "classify", "bind", "check_a_log",
     "trunk_run", "expert_run", "plan_runs",
@@ -234,12 +234,12 @@ def _listing(title: str, lines: list[str]) -> list[str]:
         return []
     shown = [f"    {line}" for line in lines[:MAX_LISTED]]
     if len(lines) > MAX_LISTED:
-        shown.append(f"    ... and {len(lines) - MAX_LISTED} more")
-    return [f"  {title} ({len(lines)}):", *shown]
+        shown.append(f"    ... and {len(lines) - MAX_LISTED} more lines")
+    return [f"  {title}:", *shown]
 
 
 def _missing_lines(missing: list[str], ckpt: Checkpoint) -> list[str]:
-    """One line per absent shard (naming it), one per other missing tensor."""
+    """One line per absent shard (naming it), then one per other missing tensor."""
     lines: list[str] = []
     by_absent: dict[str, list[str]] = defaultdict(list)
     absent = set(ckpt.missing_shards)
@@ -252,22 +252,33 @@ def _missing_lines(missing: list[str], ckpt: Checkpoint) -> list[str]:
             lines.append(f"{name} (not in {where})")
         else:
             lines.append(f"{name} (the index assigns it to {shard})")
-    for shard, names in sorted(by_absent.items()):
-        lines.append(f"{len(names)} tensor(s) the index assigns to {shard}, which is not in "
-                     f"{ckpt.dir}: e.g. {names[0]}")
-    return lines
+    shards = [f"{len(names)} tensor(s) the index assigns to {shard}, which is not in "
+              f"{ckpt.dir}: e.g. {names[0]}" for shard, names in sorted(by_absent.items())]
+    return shards + lines
 
 
-def _split_experts(cfg: ModelConfig, ckpt: Checkpoint) -> list[str]:
-    """Spec 4: an expert whose six tensors span several shards can never be used."""
+def _check_found(expected: dict[str, TensorSpec],
+                 found: dict[str, TensorInfo]) -> list[str]:
+    """Misshapen or wrong-dtype tensors, and experts split over shards (spec 4 refuses those)."""
     bad: list[str] = []
-    for layer in cfg.moe_layers:
-        for expert in range(cfg.n_experts):
-            infos = [ckpt.tensors.get(n) for n in expert_names(layer, expert)]
-            shards = {i.shard for i in infos if i is not None}
-            if len(shards) > 1:
-                bad.append(f"layer {layer} expert {expert}: its six tensors are split over "
-                           f"{', '.join(sorted(shards))}")
+    expert_shard: dict[str, str] = {}
+    split: dict[str, set[str]] = {}
+    for name, info in found.items():
+        spec = expected.get(name)
+        if spec is None:
+            continue  # reported as unexpected
+        if not (info.shape == spec.shape and info.dtype in spec.dtypes):
+            problem = spec.problem(info)  # None for a padded A_log
+            if problem:
+                bad.append(f"{name} in {info.shard}: {problem}")
+        if spec.kind == "expert":
+            expert = name.rsplit(".", 2)[0]  # "...experts.{E}" (drop "w1.weight_packed")
+            first = expert_shard.setdefault(expert, info.shard)
+            if first != info.shard:
+                split.setdefault(expert, {first}).add(info.shard)
+    for expert, shards in split.items():
+        bad.append(f"{expert}: its six tensors are split over {', '.join(sorted(shards))}; "
+                   f"an expert must lie in one shard")
     return bad
 
 
@@ -276,14 +287,10 @@ def bind(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     expected = expected_tensors(cfg)
     found = ckpt.tensors
     missing = [n for n in expected if n not in found]
-    extra = sorted(n for n in found.keys() | ckpt.assigned.keys() if n not in expected)
-    misshapen: list[str] = []
-    for name, info in found.items():
-        spec = expected.get(name)
-        problem = spec.problem(info) if spec is not None else None
-        if problem:
-            misshapen.append(f"{name} in {info.shard}: {problem}")
-    misshapen += _split_experts(cfg, ckpt)
+    extra = [n for n in found if n not in expected]
+    extra += [n for n in ckpt.assigned if n not in expected and n not in found]
+    extra.sort()
+    misshapen = _check_found(expected, found)
     if not (missing or extra or misshapen):
         return
     lines = [f"{ckpt.dir}: the checkpoint does not match its config.json "
@@ -309,30 +316,36 @@ class Run(NamedTuple):
     hi: int
 
 
-def _tiled(infos: Iterable[TensorInfo | None]) -> Run | None:
-    """The run if the tensors, in the given order, are present, in one shard and touching."""
-    items = list(infos)
-    if not items or any(i is None for i in items):
+def _present(ckpt: Checkpoint, names: Iterable[str]) -> list[TensorInfo] | None:
+    infos = [ckpt.tensors.get(n) for n in names]
+    return None if any(i is None for i in infos) else infos  # type: ignore[return-value]
+
+
+def _tiled(items: list[TensorInfo]) -> Run | None:
+    """The run if the tensors, in the given order, lie in one shard, each touching the last."""
+    if not items:
         return None
-    shard, pos = items[0].shard, items[0].start  # type: ignore[union-attr]
+    shard, pos = items[0].shard, items[0].start
     for info in items:
-        if info.shard != shard or info.start != pos:  # type: ignore[union-attr]
+        if info.shard != shard or info.start != pos:
             return None
-        pos = info.end  # type: ignore[union-attr]
-    return Run(shard, items[0].start, pos)  # type: ignore[union-attr]
+        pos = info.end
+    return Run(shard, items[0].start, pos)
 
 
 def trunk_run(ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> Run | None:
-    """Layer `layer`'s trunk as one gap-free range, whatever their order on disk; else None."""
-    infos = [ckpt.tensors.get(n) for n in trunk_specs(cfg, layer)]
-    if any(i is None for i in infos):
-        return None
-    return _tiled(sorted(infos, key=lambda i: i.start))  # type: ignore[union-attr]
+    """Layer `layer`'s trunk as one gap-free range, whatever their order on disk; else None.
+
+    Gap-free also means no expert (or other) bytes fall inside: spans never overlap.
+    """
+    infos = _present(ckpt, trunk_specs(cfg, layer))
+    return None if infos is None else _tiled(sorted(infos, key=lambda i: (i.start, i.nbytes)))
 
 
 def expert_run(ckpt: Checkpoint, layer: int, expert: int) -> Run | None:
     """One expert's six tensors as one range in EXPERT_PARTS order; else None."""
-    return _tiled(ckpt.tensors.get(n) for n in expert_names(layer, expert))
+    infos = _present(ckpt, expert_names(layer, expert))
+    return None if infos is None else _tiled(infos)
 
 
 @dataclass(frozen=True)

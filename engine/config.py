@@ -561,7 +561,10 @@ def _check_special_ids(r: _Reader, ids: dict[str, int | None], vocab: int | None
 
 
 def parse_config(root: Mapping[str, Any], source: str = CONFIG_NAME) -> ModelConfig:
-    """Validate a parsed config.json (nested K3 shape); raise one ConfigError listing all problems."""
+    """Validate a parsed config.json (nested K3 shape).
+
+    Raises one ConfigError listing every problem found, never just the first.
+    """
     r = _Reader()
     if not isinstance(root, Mapping):
         raise ConfigError([f"the top level must be a JSON object, got {_show(root)}"], source)

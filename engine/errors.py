@@ -51,9 +51,9 @@ class TensorSetError(CheckpointError):
     model has half a million tensors and a message naming them all would be unreadable.
     """
 
-    missing: list[str]
-    extra: list[str]
-    misshapen: list[str]
+    missing: list[str]  # tensor names
+    extra: list[str]  # tensor names
+    misshapen: list[str]  # one "name in shard: problem" line each
 
     def __init__(self, message: str, missing: Sequence[str], extra: Sequence[str],
                  misshapen: Sequence[str]) -> None:
