@@ -1,0 +1,105 @@
+"""`k3chat doctor`: report fields, the read probe (direct and buffered), temp-file cleanup."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from k3engine import doctor as dr
+
+PROBE = ["--size-mb", "40", "--seconds", "0.1"]  # 40 MiB holds two 17.5 MB expert reads
+
+
+def run(tmp_path: Path, probe_dir: Path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "report.json"
+    code = dr.main_doctor(["--dir", str(probe_dir), "--json", str(out), *PROBE, *extra])
+    return code, json.loads(out.read_text())
+
+
+def test_doctor_without_a_model(tmp_path: Path, capsys) -> None:
+    probe_dir = tmp_path / "disk"
+    probe_dir.mkdir()
+    code, rep = run(tmp_path, probe_dir)
+    assert code == 0
+    cpu, mem, disk, probe = rep["cpu"], rep["memory"], rep["disk"], rep["probe"]
+    assert cpu["logical_cores"] > 0 and cpu["usable_cores"] > 0 and cpu["model"]
+    assert {type(cpu[k]) for k in ("avx2", "fma", "avx512f")} == {bool}
+    assert mem["total_bytes"] > 0 and mem["available_bytes"] > 0 and mem["usable_bytes"] > 0
+    assert "cgroup_limit_bytes" in mem
+    assert disk["free_bytes"] > 0 and disk["total_bytes"] >= disk["free_bytes"]
+    assert probe["read_bytes"] == 17_547_264 and probe["read_bytes"] % 4096 == 0
+    assert probe["file_bytes"] == 40 * 2**20
+    assert probe["mode"] in ("O_DIRECT", "buffered + posix_fadvise(DONTNEED)")
+    assert probe["direct_io"] == (probe["mode"] == "O_DIRECT")
+    assert [p["queue_depth"] for p in probe["phases"]] == [1, 8]
+    for p in probe["phases"]:
+        assert p["reads"] >= dr.MIN_READS and p["bytes"] == p["reads"] * 17_547_264
+        assert p["gb_per_s"] > 0
+    assert probe["qd1_gb_per_s"] > 0 and probe["qd8_gb_per_s"] > 0
+    assert rep["recommended_budget_bytes"] > 0 and rep["model"] is None
+    assert list(probe_dir.iterdir()) == []  # the probe file is gone
+    text = capsys.readouterr().out
+    assert "queue depth 1:" in text and "queue depth 8:" in text and "--memory auto" in text
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path: Path, monkeypatch) -> None:
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    result = dr.probe_disk(tmp_path, 40 * 2**20, seconds=0.05)
+    assert not result.direct_io and result.mode.startswith("buffered")
+    assert "refused at open" in result.note
+    assert all(p.gb_per_s > 0 for p in result.phases)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_file_removed_on_ctrl_c(tmp_path: Path, monkeypatch) -> None:
+    seen: list[str] = []
+
+    def interrupted(*args, **kwargs):
+        assert Path(seen[0]).exists()  # the file existed while the probe ran
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dr, "_phase", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dr.probe_disk(tmp_path, 40 * 2**20, seconds=0.05, on_path=seen.append)
+    assert seen and not Path(seen[0]).exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_doctor_with_a_model_reports_the_plan(tmp_path: Path) -> None:
+    from k3engine.fixture import write_fixture
+
+    model = write_fixture("tiny", tmp_path / "tiny", with_oracle=False)
+    before = sorted(p.name for p in model.iterdir())
+    code, rep = run(tmp_path, model)
+    assert code == 0
+    plan = rep["model"]["plan"]
+    assert plan["budget"] == rep["recommended_budget_bytes"]
+    assert plan["total"] <= plan["budget"]
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_doctor_usage_errors(tmp_path: Path, capsys) -> None:
+    assert dr.main_doctor(["--dir", str(tmp_path / "missing")]) == 2
+    assert dr.main_doctor(["--dir", str(tmp_path), "--size-mb", "10"]) == 2
+    assert "too small" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_flags_parsed(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    block = ("processor\t: {n}\nmodel name\t: Test CPU 9000\nphysical id\t: 0\n"
+             "core id\t\t: {c}\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n\n")
+    info.write_text("".join(block.format(n=n, c=n // 2) for n in range(4)))
+    cpu = dr.cpu_info(info)
+    assert cpu.model == "Test CPU 9000" and cpu.physical_cores == 2
+    assert cpu.avx2 and cpu.fma and not cpu.avx512f
