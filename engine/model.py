@@ -119,6 +119,7 @@ class StreamOptions:
     trunk_stream: bool = False
     ring_slots: int = 2
     pinned: tuple[int, ...] = ()     # layers kept resident while streaming
+    embed_stream: bool = False       # read embedding rows per token instead of holding them
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class Model:
         o.prefetch = 1 if so.prefetch else 0
         o.trunk_stream = 1 if so.trunk_stream else 0
         o.ring_slots = int(so.ring_slots)
+        o.embed_stream = 1 if so.embed_stream else 0
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")

@@ -80,6 +80,7 @@ typedef struct k3_open_opts {
     int32_t trunk_stream;        /* 1: layers not pinned are streamed through a ring */
     int32_t ring_slots;          /* >= 2 when streaming */
     uint8_t pinned[K3_MAX_LAYERS];
+    int32_t embed_stream;        /* 1: embedding rows are read from the shard per token */
 } k3_open_opts;
 
 typedef struct k3_stats {

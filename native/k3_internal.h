@@ -95,21 +95,31 @@ typedef struct kr_entry {
     uint64_t off, nbytes, slot_off;
 } kr_entry;
 
-typedef struct kr_layer {
+/* One read that fills part of a slot: adjacent tensors are coalesced into one request. */
+typedef struct kr_read {
+    int32_t shard;
+    uint64_t off, len, slot_off;
+} kr_read;
+
+/* A streaming unit: the attention matrices or the FFN matrices of one layer. */
+typedef struct kr_unit {
     kr_entry *e;
     int n, cap;
-    int run;               /* 1: one read of [run_lo, run_lo + run_len) fills the slot */
-    int32_t run_shard;
-    uint64_t run_lo, run_len;
-    uint64_t bytes;        /* slot bytes this layer needs */
-} kr_layer;
+    kr_read *reads;
+    int nreads;
+    uint64_t bytes;        /* slot bytes this unit needs */
+} kr_unit;
+
+enum { KR_ATTN = 0, KR_FFN = 1 };
 
 typedef struct kr_ring kr_ring;
 int kr_ring_create(k3_model *m, char *err, size_t errlen);
 void kr_ring_destroy(kr_ring *r);
-/* Wait until layer L's streamed matrices are in a slot and bind them. */
-int kr_acquire(kr_ring *r, int L, char *err, size_t errlen);
-void kr_release(kr_ring *r, int L);
+/* Wait until unit (L, u) is in a slot and bind its matrices. */
+int kr_acquire(kr_ring *r, int L, int u, char *err, size_t errlen);
+void kr_release(kr_ring *r, int L, int u);
+/* Plan the reads of a unit (sorted, coalesced, element-aligned). */
+int kr_unit_layout(kr_unit *u);
 
 /* ---------------- model ---------------- */
 typedef struct km_layer {
@@ -134,7 +144,7 @@ typedef struct km_layer {
     float *router_bias, *lat_norm;
     kx_expert_loc *experts; /* [n_experts] */
     int streamed;           /* matrices come through the trunk ring */
-    kr_layer sl;
+    kr_unit su[2];          /* KR_ATTN, KR_FFN */
 } km_layer;
 
 struct k3_model {
@@ -144,6 +154,8 @@ struct k3_model {
     int n_shards;
     km_layer *layers;
     kk_mat embed, lm_head;
+    int32_t embed_shard;    /* embedding rows read on demand when embed.data is NULL */
+    uint64_t embed_off;
     float *final_norm, *out_res_u;
     void **allocs; /* every buffer owned by the model */
     int n_allocs, cap_allocs;

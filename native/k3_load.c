@@ -94,7 +94,8 @@ typedef struct {
     char *err;
     size_t errlen;
     int failed;
-    kr_layer *stream; /* non-NULL: record matrices for the ring instead of reading them */
+    kr_unit *stream;  /* non-NULL: record matrices for the ring instead of reading them */
+    kr_unit *units;   /* the layer's two units when it streams */
 } km_loader;
 
 static int km_cmp_desc_off(const void *a, const void *b) {
@@ -203,7 +204,7 @@ static void km_mat(km_loader *ld, const char *name, int64_t rows, int64_t cols, 
     dst->rows = (int32_t)rows;
     dst->cols = (int32_t)cols;
     if (ld->stream) { /* bytes arrive through the ring at use time */
-        kr_layer *sl = ld->stream;
+        kr_unit *sl = ld->stream;
         if (sl->n == sl->cap) {
             int nc = sl->cap ? sl->cap * 2 : 16;
             kr_entry *ne = (kr_entry *)realloc(sl->e, sizeof(kr_entry) * (size_t)nc);
@@ -240,28 +241,6 @@ static void km_mat(km_loader *ld, const char *name, int64_t rows, int64_t cols, 
     dst->cols = (int32_t)cols;
 }
 
-/* Where each streamed matrix lands in a ring slot: at its run offset when the layer is
- * one run and every matrix stays aligned to its element size, else packed. */
-static void km_stream_layout(kr_layer *sl) {
-    int aligned = sl->run;
-    for (int i = 0; aligned && i < sl->n; i++) {
-        size_t el = sl->e[i].dst->dtype == K3_DT_F32 ? 4 : 2;
-        if ((sl->e[i].off - sl->run_lo) % el) aligned = 0;
-    }
-    if (aligned) {
-        for (int i = 0; i < sl->n; i++) sl->e[i].slot_off = sl->e[i].off - sl->run_lo;
-        sl->bytes = sl->run_len;
-        return;
-    }
-    sl->run = 0;
-    uint64_t pos = 0;
-    for (int i = 0; i < sl->n; i++) {
-        sl->e[i].slot_off = pos;
-        pos += (sl->e[i].nbytes + 63) & ~(uint64_t)63;
-    }
-    sl->bytes = pos;
-}
-
 static void km_name(char *out, size_t n, int L, const char *suffix) {
     snprintf(out, n, KM_PREFIX "layers.%d.%s", L, suffix);
 }
@@ -284,17 +263,10 @@ static int km_read_run(km_loader *ld, int L, const k3_tensor_desc **trunk, int n
         end = trunk[i]->offset + trunk[i]->nbytes;
     }
     if (!ok) {
-        if (!ld->stream) ld->m->stats.trunk_fallback_reads++;
+        ld->m->stats.trunk_fallback_reads++;
         return 0;
     }
     uint64_t lo = trunk[0]->offset, len = end - lo;
-    if (ld->stream) { /* remember the run; the ring reads it */
-        ld->stream->run = 1;
-        ld->stream->run_shard = shard;
-        ld->stream->run_lo = lo;
-        ld->stream->run_len = len;
-        return 0;
-    }
     ld->run = (uint8_t *)malloc(len ? len : 1);
     if (!ld->run) {
         km_set_err(ld->err, ld->errlen, "out of memory reading layer %d trunk (%llu bytes)", L,
@@ -342,6 +314,7 @@ static void km_bind_layer(k3_model *m, km_loader *ld, int L) {
     km_fold_res(m, ld, N("self_attention_res_norm.weight"), nm2, &ly->attn_res_u);
     km_name(nm2, sizeof nm2, L, "mlp_res_proj.weight");
     km_fold_res(m, ld, N("mlp_res_norm.weight"), nm2, &ly->mlp_res_u);
+    if (ld->units) ld->stream = &ld->units[KR_ATTN];
     if (!ly->is_mla) {
         int64_t H = c->kda_heads, D = c->kda_head_dim, K = c->conv_kernel;
         km_mat(ld, N("self_attn.q_proj.weight"), P, E, &ly->q_proj);
@@ -388,16 +361,17 @@ static void km_bind_layer(k3_model *m, km_loader *ld, int L) {
         km_mat(ld, N("self_attn.g_proj.weight"), H * c->v_head_dim, E, &ly->g_proj_mla);
         km_mat(ld, N("self_attn.o_proj.weight"), E, H * c->v_head_dim, &ly->o_proj);
     }
+    if (ld->units) ld->stream = &ld->units[KR_FFN];
     if (!ly->is_moe) {
         km_mat(ld, N("mlp.gate_proj.weight"), c->dense_width, E, &ly->mlp_gate);
         km_mat(ld, N("mlp.up_proj.weight"), c->dense_width, E, &ly->mlp_up);
         km_mat(ld, N("mlp.down_proj.weight"), E, c->dense_width, &ly->mlp_down);
     } else {
         int64_t ne[1] = {c->n_experts}, nl[1] = {c->latent_dim};
-        /* routers stay resident even when the layer streams: the lookahead of layer L-1
-         * runs this router before the layer's trunk has arrived */
-        kr_layer *streaming = ld->stream;
-        ld->stream = NULL;
+        /* with lookahead the router stays resident: layer L-1 runs it before this
+         * layer's trunk has arrived */
+        kr_unit *streaming = ld->stream;
+        if (m->opts.lookahead > 0) ld->stream = NULL;
         km_mat(ld, N("block_sparse_moe.gate.weight"), c->n_experts, E, &ly->router);
         ld->stream = streaming;
         ly->router_bias = km_vec(ld, N("block_sparse_moe.gate.e_score_correction_bias"), 1, ne);
@@ -477,7 +451,11 @@ static int km_check_config(const k3_config *c, char *err, size_t errlen) {
 static void km_free_all(k3_model *m) {
     kx_store_destroy(m->store);
     kr_ring_destroy(m->ring);
-    for (int L = 0; m->layers && L < m->cfg.n_layers; L++) free(m->layers[L].sl.e);
+    for (int L = 0; m->layers && L < m->cfg.n_layers; L++)
+        for (int u = 0; u < 2; u++) {
+            free(m->layers[L].su[u].e);
+            free(m->layers[L].su[u].reads);
+        }
     for (int i = 0; i < m->n_allocs; i++) free(m->allocs[i]);
     free(m->allocs);
     if (m->shards) {
@@ -554,16 +532,21 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         ly->is_moe = L >= cfg->first_dense;
         ly->kda_index = ly->is_mla ? -1 : kda++;
         ly->mla_index = ly->is_mla ? mla++ : -1;
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL};
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL, NULL};
         ly->streamed = m->opts.trunk_stream && !m->opts.pinned[L];
-        if (ly->streamed) ld.stream = &ly->sl;
-        if (km_read_run(&ld, L, byl + count[L], count[L + 1] - count[L]) != 0) {
+        if (ly->streamed) {
+            ld.units = ly->su; /* small vectors are read one by one and stay resident */
+        } else if (km_read_run(&ld, L, byl + count[L], count[L + 1] - count[L]) != 0) {
             rc = K3_ERR_IO;
             break;
         }
         km_bind_layer(m, &ld, L);
         free(ld.run);
-        if (ly->streamed && !ld.failed) km_stream_layout(&ly->sl);
+        if (ly->streamed && !ld.failed && (kr_unit_layout(&ly->su[KR_ATTN]) || kr_unit_layout(&ly->su[KR_FFN]))) {
+            km_set_err(err, errlen, "out of memory planning the reads of layer %d", L);
+            rc = K3_ERR_NOMEM;
+            break;
+        }
         if (ld.failed) {
             rc = strstr(err, "read of") ? K3_ERR_IO : K3_ERR_INVALID;
             break;
@@ -573,9 +556,21 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     m->n_kda = kda;
     m->n_mla = mla;
     if (rc == K3_OK) {
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL};
-        int64_t E = cfg->hidden, vE[1] = {E};
-        km_mat(&ld, KM_PREFIX "embed_tokens.weight", cfg->vocab, E, &m->embed);
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL, NULL};
+        int64_t E = cfg->hidden, vE[1] = {E}, es[2] = {cfg->vocab, E};
+        if (m->opts.embed_stream) { /* a row gather: read each token's row when it is fed */
+            const k3_tensor_desc *t = km_need(&ld, KM_PREFIX "embed_tokens.weight", 2, es, 1);
+            if (t) {
+                m->embed.data = NULL;
+                m->embed.dtype = t->dtype;
+                m->embed.rows = cfg->vocab;
+                m->embed.cols = (int32_t)E;
+                m->embed_shard = t->shard;
+                m->embed_off = t->offset;
+            }
+        } else {
+            km_mat(&ld, KM_PREFIX "embed_tokens.weight", cfg->vocab, E, &m->embed);
+        }
         km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
         m->final_norm = km_vec(&ld, KM_PREFIX "norm.weight", 1, vE);
         km_fold_res(m, &ld, KM_PREFIX "output_attn_res_norm.weight",

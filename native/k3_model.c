@@ -46,8 +46,35 @@ static void km_attn_res(const k3_model *m, float *const *src, int n, const float
     }
 }
 
-static void km_embed(const k3_model *m, const int32_t *ids, int ntok, float *h) {
+static int km_embed(k3_model *m, const int32_t *ids, int ntok, float *h, char *err, size_t errlen) {
     int E = m->cfg.hidden;
+    if (!m->embed.data) { /* rows read on demand: one small read per token */
+        size_t el = m->embed.dtype == K3_DT_F32 ? 4 : 2, rowb = el * (size_t)E;
+        uint8_t *row = (uint8_t *)malloc(rowb);
+        if (!row) return K3_ERR_NOMEM;
+        for (int t = 0; t < ntok; t++) {
+            uint64_t off = m->embed_off + (uint64_t)ids[t] * rowb;
+            int rc = kt_pread_full(m->shards[m->embed_shard].fd, row, rowb, off);
+            if (rc != 0) {
+                km_set_err(err, errlen, "read of the embedding row of token %d failed: shard %s offset %llu: %s", ids[t],
+                           m->shards[m->embed_shard].path, (unsigned long long)off, strerror(-rc));
+                free(row);
+                return K3_ERR_IO;
+            }
+            __atomic_add_fetch(&m->stats.trunk_bytes_read, rowb, __ATOMIC_RELAXED);
+            for (int i = 0; i < E; i++) {
+                uint16_t v;
+                if (el == 4) {
+                    memcpy(&h[(size_t)t * E + i], row + 4 * i, 4);
+                    continue;
+                }
+                memcpy(&v, row + 2 * i, 2);
+                h[(size_t)t * E + i] = m->embed.dtype == K3_DT_BF16 ? kk_bf16_to_f32(v) : kk_f16_to_f32(v);
+            }
+        }
+        free(row);
+        return K3_OK;
+    }
     for (int t = 0; t < ntok; t++) {
         const kk_mat *w = &m->embed;
         size_t off = (size_t)ids[t] * E;
@@ -60,6 +87,7 @@ static void km_embed(const k3_model *m, const int32_t *ids, int ntok, float *h) 
                 h[(size_t)t * E + i] = ((const float *)w->data)[off + i];
         }
     }
+    return K3_OK;
 }
 
 static size_t km_max(size_t a, size_t b) { return a > b ? a : b; }
@@ -81,8 +109,8 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
     }
     float *cur = buf, *x = cur + TE, *xn = x + TE, *a = xn + TE, *scratch = a + TE + TE * nsnap;
     float *B[K3_MAX_LAYERS + 2];
-    int nB = 0, have_cur = 1, rc = K3_OK;
-    km_embed(m, ids, ntok, cur);
+    int nB = 0, have_cur = 1;
+    int rc = km_embed(m, ids, ntok, cur, err, errlen);
     for (int L = 0; L < c->n_layers && rc == K3_OK; L++) {
         if (cancel && *cancel) {
             km_set_err(err, errlen, "cancelled at layer %d", L);
@@ -90,10 +118,6 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
             break;
         }
         const km_layer *ly = &m->layers[L];
-        if (ly->streamed) {
-            rc = kr_acquire(m->ring, L, err, errlen);
-            if (rc != K3_OK) break;
-        }
         /* x: AttnRes over the snapshots and the running prefix (just h at L = 0) */
         if (nB == 0) {
             memcpy(x, cur, sizeof(float) * TE);
@@ -109,6 +133,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         }
         for (int t = 0; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, ly->input_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->streamed && (rc = kr_acquire(m->ring, L, KR_ATTN, err, errlen)) != K3_OK) break;
         if (ly->is_mla) {
             mla_forward(m, ly, st->mla_rows[ly->mla_index], st->len, xn, ntok, a, scratch);
         } else {
@@ -120,6 +145,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
             }
             kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch);
         }
+        if (ly->streamed) kr_release(m->ring, L, KR_ATTN);
         if (have_cur) {
             for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
         } else {
@@ -130,13 +156,14 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         km_attn_res(m, B, nB + 1, ly->mlp_res_u, ntok, x, kc.simd);
         for (int t = 0; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, ly->post_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->streamed && (rc = kr_acquire(m->ring, L, KR_FFN, err, errlen)) != K3_OK) break;
         if (ly->is_moe)
             rc = moe_forward(m, L, ly, xn, ntok, a, scratch, err, errlen);
         else
             dense_forward(m, ly, xn, ntok, a, scratch);
+        if (ly->streamed) kr_release(m->ring, L, KR_FFN);
         if (rc == K3_OK)
             for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
-        if (ly->streamed) kr_release(m->ring, L);
     }
     if (rc == K3_OK && logits) {
         B[nB] = cur;

@@ -1,10 +1,12 @@
 /* k3_ring.c: trunk streaming for budgets below the trunk size.
  *
- * Layers that are not pinned cycle through a ring of at least two slots.  A reader
- * thread walks the streamed layers in forward order, cyclically, and fills slot
- * (load mod slots) as soon as compute has released it, so it runs up to slots-1 layers
- * ahead.  Compute takes loads in the same order; if a pass ended early (an error or a
- * cancel), loads for the layers it skipped are drained until the wanted layer comes up.
+ * The matrices of layers that are not pinned cycle through a ring of at least two slots,
+ * in units: a layer's attention matrices, then its FFN matrices (so a slot is sized for
+ * the largest unit, not the largest layer).  A reader thread walks the units in forward
+ * order, cyclically, and fills slot (load mod slots) as soon as compute has released it,
+ * so it runs up to slots-1 units ahead.  Compute takes loads in the same order; if a pass
+ * ended early (an error or a cancel), loads it skipped are drained until the wanted unit
+ * comes up.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -25,7 +27,7 @@ struct kr_ring {
     k3_model *m;
     kr_slot *slots;
     int nslots;
-    int *seq;       /* streamed layers in forward order */
+    int *seq;       /* streamed units in forward order: L * 2 + unit */
     int nseq;
     uint64_t produced, consumed;
     pthread_mutex_t mu;
@@ -34,9 +36,46 @@ struct kr_ring {
     int started, stop;
 };
 
-static int kr_fill(kr_ring *r, int L, uint8_t *buf, char *err, size_t errlen) {
+static int kr_cmp_entry(const void *a, const void *b) {
+    const kr_entry *x = (const kr_entry *)a, *y = (const kr_entry *)b;
+    if (x->shard != y->shard) return x->shard < y->shard ? -1 : 1;
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+int kr_unit_layout(kr_unit *u) {
+    if (u->n == 0) return 0;
+    qsort(u->e, (size_t)u->n, sizeof(kr_entry), kr_cmp_entry);
+    u->reads = (kr_read *)calloc((size_t)u->n, sizeof(kr_read));
+    if (!u->reads) return -1;
+    uint64_t pos = 0;
+    for (int i = 0; i < u->n; i++) {
+        kr_entry *e = &u->e[i];
+        kr_read *last = u->nreads ? &u->reads[u->nreads - 1] : NULL;
+        size_t el = e->dst->dtype == K3_DT_F32 ? 4 : 2;
+        /* extend the previous read when the tensor follows it in the file and keeps its
+         * element alignment inside the slot; else start a new 64-byte aligned read */
+        if (last && last->shard == e->shard && last->off + last->len == e->off &&
+            (last->slot_off + last->len) % el == 0) {
+            e->slot_off = last->slot_off + last->len;
+            last->len += e->nbytes;
+        } else {
+            kr_read *r = &u->reads[u->nreads++];
+            pos = (pos + 63) & ~(uint64_t)63;
+            r->shard = e->shard;
+            r->off = e->off;
+            r->len = e->nbytes;
+            r->slot_off = pos;
+            e->slot_off = pos;
+        }
+        pos = u->reads[u->nreads - 1].slot_off + u->reads[u->nreads - 1].len;
+    }
+    u->bytes = pos;
+    return 0;
+}
+
+static int kr_fill(kr_ring *r, int L, int unit, uint8_t *buf, char *err, size_t errlen) {
     k3_model *m = r->m;
-    const kr_layer *sl = &m->layers[L].sl;
+    const kr_unit *u = &m->layers[L].su[unit];
     int fault = 0;
     pthread_mutex_lock(&r->mu);
     if (m->fault_kind && m->fault_layer == L && m->fault_expert == -1) {
@@ -44,27 +83,16 @@ static int kr_fill(kr_ring *r, int L, uint8_t *buf, char *err, size_t errlen) {
         m->fault_kind = 0;
     }
     pthread_mutex_unlock(&r->mu);
-    if (sl->run) {
-        int rc = fault ? -EIO : kt_pread_full(m->shards[sl->run_shard].fd, buf, sl->run_len, sl->run_lo);
+    for (int i = 0; i < u->nreads; i++) {
+        const kr_read *rd = &u->reads[i];
+        int rc = fault ? -EIO : kt_pread_full(m->shards[rd->shard].fd, buf + rd->slot_off, rd->len, rd->off);
         if (rc != 0) {
-            km_set_err(err, errlen, "read of layer %d trunk failed: shard %s offset %llu length %llu: %s", L,
-                       m->shards[sl->run_shard].path, (unsigned long long)sl->run_lo,
-                       (unsigned long long)sl->run_len, strerror(-rc));
+            km_set_err(err, errlen, "read of layer %d trunk (%s matrices) failed: shard %s offset %llu length %llu: %s",
+                       L, unit == KR_ATTN ? "attention" : "FFN", m->shards[rd->shard].path,
+                       (unsigned long long)rd->off, (unsigned long long)rd->len, strerror(-rc));
             return K3_ERR_IO;
         }
-        __atomic_add_fetch(&m->stats.trunk_bytes_read, sl->run_len, __ATOMIC_RELAXED);
-    } else {
-        for (int i = 0; i < sl->n; i++) {
-            const kr_entry *e = &sl->e[i];
-            int rc = fault ? -EIO : kt_pread_full(m->shards[e->shard].fd, buf + e->slot_off, e->nbytes, e->off);
-            if (rc != 0) {
-                km_set_err(err, errlen, "read of layer %d trunk tensor %d failed: shard %s offset %llu length %llu: %s",
-                           L, i, m->shards[e->shard].path, (unsigned long long)e->off,
-                           (unsigned long long)e->nbytes, strerror(-rc));
-                return K3_ERR_IO;
-            }
-            __atomic_add_fetch(&m->stats.trunk_bytes_read, e->nbytes, __ATOMIC_RELAXED);
-        }
+        __atomic_add_fetch(&m->stats.trunk_bytes_read, rd->len, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&m->stats.trunk_stream_reads, 1, __ATOMIC_RELAXED);
     return K3_OK;
@@ -79,10 +107,10 @@ static void *kr_reader(void *arg) {
         if (r->stop) break;
         uint64_t p = r->produced;
         kr_slot *s = &r->slots[p % (uint64_t)r->nslots];
-        int L = r->seq[p % (uint64_t)r->nseq];
+        int unit = r->seq[p % (uint64_t)r->nseq];
         pthread_mutex_unlock(&r->mu);
         err[0] = 0;
-        int rc = kr_fill(r, L, s->buf, err, sizeof err);
+        int rc = kr_fill(r, unit / 2, unit % 2, s->buf, err, sizeof err);
         pthread_mutex_lock(&r->mu);
         s->load = p;
         s->state = rc == K3_OK ? 1 : 2;
@@ -94,7 +122,7 @@ static void *kr_reader(void *arg) {
     return NULL;
 }
 
-int kr_acquire(kr_ring *r, int L, char *err, size_t errlen) {
+int kr_acquire(kr_ring *r, int L, int unit, char *err, size_t errlen) {
     uint64_t t0 = km_now_ns();
     pthread_mutex_lock(&r->mu);
     for (;;) {
@@ -102,7 +130,7 @@ int kr_acquire(kr_ring *r, int L, char *err, size_t errlen) {
         while (r->produced <= c) pthread_cond_wait(&r->cv, &r->mu);
         kr_slot *s = &r->slots[c % (uint64_t)r->nslots];
         int want = r->seq[c % (uint64_t)r->nseq];
-        if (want != L) { /* a pass ended early: skip the load it never used */
+        if (want != L * 2 + unit) { /* a pass ended early: skip the load it never used */
             s->state = 0;
             r->consumed = c + 1;
             pthread_cond_broadcast(&r->cv);
@@ -111,24 +139,24 @@ int kr_acquire(kr_ring *r, int L, char *err, size_t errlen) {
         if (s->state == 2) {
             km_set_err(err, errlen, "%s", s->err);
             s->state = 0;
-            r->consumed = c + 1; /* the reader will load this layer again next cycle */
+            r->consumed = c + 1; /* the reader will load this unit again next cycle */
             pthread_cond_broadcast(&r->cv);
             pthread_mutex_unlock(&r->mu);
             r->m->stats.io_wait_ns += km_now_ns() - t0;
             return K3_ERR_IO;
         }
-        const kr_layer *sl = &r->m->layers[L].sl;
-        for (int i = 0; i < sl->n; i++) sl->e[i].dst->data = s->buf + sl->e[i].slot_off;
+        const kr_unit *u = &r->m->layers[L].su[unit];
+        for (int i = 0; i < u->n; i++) u->e[i].dst->data = s->buf + u->e[i].slot_off;
         pthread_mutex_unlock(&r->mu);
         r->m->stats.io_wait_ns += km_now_ns() - t0;
         return K3_OK;
     }
 }
 
-void kr_release(kr_ring *r, int L) {
-    const kr_layer *sl = &r->m->layers[L].sl;
+void kr_release(kr_ring *r, int L, int unit) {
+    const kr_unit *u = &r->m->layers[L].su[unit];
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < sl->n; i++) sl->e[i].dst->data = NULL; /* a stale pointer must never be used */
+    for (int i = 0; i < u->n; i++) u->e[i].dst->data = NULL; /* a stale pointer must never be used */
     r->slots[r->consumed % (uint64_t)r->nslots].state = 0;
     r->consumed++;
     pthread_cond_broadcast(&r->cv);
@@ -157,10 +185,11 @@ int kr_ring_create(k3_model *m, char *err, size_t errlen) {
     int n = 0;
     uint64_t biggest = 0;
     for (int L = 0; L < c->n_layers; L++)
-        if (m->layers[L].streamed) {
-            n++;
-            if (m->layers[L].sl.bytes > biggest) biggest = m->layers[L].sl.bytes;
-        }
+        if (m->layers[L].streamed)
+            for (int u = 0; u < 2; u++) {
+                n++;
+                if (m->layers[L].su[u].bytes > biggest) biggest = m->layers[L].su[u].bytes;
+            }
     if (n == 0) return K3_OK; /* everything pinned */
     int nslots = m->opts.ring_slots;
     if (nslots < 2) {
@@ -182,7 +211,8 @@ int kr_ring_create(k3_model *m, char *err, size_t errlen) {
     }
     n = 0;
     for (int L = 0; L < c->n_layers; L++)
-        if (m->layers[L].streamed) r->seq[n++] = L;
+        if (m->layers[L].streamed)
+            for (int u = 0; u < 2; u++) r->seq[n++] = L * 2 + u;
     for (int i = 0; i < nslots; i++)
         if (posix_memalign((void **)&r->slots[i].buf, 4096, biggest ? biggest : 64) != 0) {
             r->slots[i].buf = NULL;

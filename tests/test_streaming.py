@@ -57,6 +57,8 @@ DIALS = [
     ("trunk-ring2", StreamOptions(expert_cache_bytes=9 * SLOT, trunk_stream=True, ring_slots=2, lookahead=8)),
     ("trunk-ring3-pinned", StreamOptions(trunk_stream=True, ring_slots=3, pinned=(0, 3))),
     ("all-pinned", StreamOptions(trunk_stream=True, pinned=(0, 1, 2, 3, 4))),
+    ("smallest", StreamOptions(expert_cache_bytes=9 * SLOT, trunk_stream=True, ring_slots=2, embed_stream=True)),
+    ("embed-on-demand", StreamOptions(embed_stream=True, lookahead=8)),
 ]
 
 
