@@ -9,6 +9,7 @@ per handle keeps calls on a handle serial.
 
 from __future__ import annotations
 
+import resource
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from .safetensors_io import Checkpoint, open_checkpoint
 
 __all__ = [
     "EngineError", "ExpertReadError", "TrunkReadError", "Cancelled", "Model", "Session",
-    "CancelFlag", "StateArrays", "StreamOptions",
+    "CancelFlag", "StateArrays", "StreamOptions", "stats_delta",
 ]
 
 _DTYPES = {"U8": 0, "BF16": 1, "F16": 2, "F32": 3}
@@ -218,10 +219,15 @@ class Model:
         return self.config.vocab
 
     def stats(self) -> dict[str, int]:
+        """Cumulative engine counters, plus the process's peak resident set size.
+
+        Per-token figures are differences of two calls (see `stats_delta`)."""
         ffi, lib = _lib()
         st = ffi.new("k3_stats *")
         lib.k3_model_stats(self._h, st)
-        return {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
+        out = {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return out
 
     def _call(self, fn: str, *args: Any) -> None:
         ffi, lib = _lib()
@@ -363,6 +369,14 @@ class Session:
             if self._h is not None:
                 ffi.release(self._h)
                 self._h = None
+
+
+_LEVELS = ("peak_rss_bytes", "direct_io", "direct_io_refused", "expert_slots")
+
+
+def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What happened between two `Model.stats()` calls (levels are taken as they are)."""
+    return {k: (v if k in _LEVELS else v - before.get(k, 0)) for k, v in after.items()}
 
 
 def decode_state(data: bytes) -> StateArrays:
