@@ -16,20 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import tiktoken
+from k3engine.tokenizer_files import K3_PAT_STR
 
-# Spec 3.3, verbatim: eight alternatives joined by `|` in this order.
-PAT_STR: str = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
+# Spec 3.3, verbatim; one copy, shared with the fixture tokenizer writer.
+PAT_STR: str = K3_PAT_STR
 
 # Spec 3.4 caps (code points), as tokenization_kimi.py applies them.
 SLICE_CHARS: int = 400_000
