@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import resource
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -174,6 +175,8 @@ class Model:
                                self._opts(self.streaming), out, err, 1024)
         _raise(rc, ffi.string(err).decode(errors="replace"))
         self._h = ffi.gc(out[0], lib.k3_model_close)
+        # sessions point into the model: closing it closes them first
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self.set_threads(threads)
         self.set_scalar(scalar)
 
@@ -212,7 +215,7 @@ class Model:
     @property
     def simd_active(self) -> bool:
         _, lib = _lib()
-        return bool(lib.k3_model_simd_active(self._h))
+        return bool(lib.k3_model_simd_active(self._handle()))
 
     @property
     def vocab(self) -> int:
@@ -224,7 +227,7 @@ class Model:
         Per-token figures are differences of two calls (see `stats_delta`)."""
         ffi, lib = _lib()
         st = ffi.new("k3_stats *")
-        lib.k3_model_stats(self._h, st)
+        lib.k3_model_stats(self._handle(), st)
         out = {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return out
@@ -232,7 +235,7 @@ class Model:
     def _call(self, fn: str, *args: Any) -> None:
         ffi, lib = _lib()
         with self._lock:
-            rc = getattr(lib, fn)(self._h, *args)
+            rc = getattr(lib, fn)(self._handle(), *args)
             if rc:
                 _raise(rc, ffi.string(lib.k3_model_error(self._h)).decode(errors="replace"))
 
@@ -251,10 +254,17 @@ class Model:
 
     def close(self) -> None:
         ffi, lib = _lib()
+        for s in list(self._sessions):
+            s.close()
         with self._lock:
             if self._h is not None:
                 ffi.release(self._h)
                 self._h = None
+
+    def _handle(self) -> Any:
+        if self._h is None:
+            raise EngineError(1, "the model is closed")
+        return self._h
 
     def __enter__(self) -> "Model":
         return self
@@ -271,11 +281,17 @@ class Session:
         self.model = model
         out = ffi.new("k3_session **")
         with model._lock:
-            rc = lib.k3_session_create(model._h, int(max_positions), out)
+            rc = lib.k3_session_create(model._handle(), int(max_positions), out)
             if rc:
                 _raise(rc, ffi.string(lib.k3_model_error(model._h)).decode(errors="replace"))
-        self._h = ffi.gc(out[0], lib.k3_session_free)
+            self._h = ffi.gc(out[0], lib.k3_session_free)
+            model._sessions.add(self)
         self._lock = threading.Lock()
+
+    def _hs(self) -> Any:
+        if self._h is None:
+            raise EngineError(1, "the session is closed")
+        return self._h
 
     def _check(self, rc: int) -> None:
         ffi, lib = _lib()
@@ -285,30 +301,30 @@ class Session:
     @property
     def length(self) -> int:
         _, lib = _lib()
-        return int(lib.k3_session_length(self._h))
+        return int(lib.k3_session_length(self._hs()))
 
     @property
     def capacity(self) -> int:
         _, lib = _lib()
-        return int(lib.k3_session_capacity(self._h))
+        return int(lib.k3_session_capacity(self._hs()))
 
     @property
     def tainted(self) -> bool:
         _, lib = _lib()
-        return bool(lib.k3_session_tainted(self._h))
+        return bool(lib.k3_session_tainted(self._hs()))
 
     @property
     def ids(self) -> list[int]:
         ffi, lib = _lib()
         n = self.length
         buf = ffi.new("int32_t[]", max(n, 1))
-        got = lib.k3_session_ids(self._h, buf, n)
+        got = lib.k3_session_ids(self._hs(), buf, n)
         return [int(buf[i]) for i in range(got)]
 
     def reset(self) -> None:
         _, lib = _lib()
         with self._lock:
-            self._check(lib.k3_session_reset(self._h))
+            self._check(lib.k3_session_reset(self._hs()))
 
     def feed(self, ids: Sequence[int], *, all_logits: bool = False,
              cancel: CancelFlag | None = None) -> np.ndarray:
@@ -321,8 +337,7 @@ class Session:
         last = np.empty(V, dtype=np.float32)
         allbuf = np.empty((len(arr), V), dtype=np.float32) if all_logits else None
         with self._lock, self.model._lock:
-            rc = lib.k3_session_feed(
-                self._h, ffi.from_buffer("int32_t[]", arr), len(arr), ffi.from_buffer("float[]", last),
+            rc = lib.k3_session_feed(self._hs(), ffi.from_buffer("int32_t[]", arr), len(arr), ffi.from_buffer("float[]", last),
                 ffi.from_buffer("float[]", allbuf) if allbuf is not None else ffi.NULL,
                 cancel._cell if cancel is not None else ffi.NULL)
             self._check(rc)
@@ -333,32 +348,32 @@ class Session:
         ffi, lib = _lib()
         with self._lock:
             size = ffi.new("uint64_t *")
-            lib.k3_session_state_size(self._h, size)
+            lib.k3_session_state_size(self._hs(), size)
             buf = bytearray(size[0])
-            self._check(lib.k3_session_export(self._h, ffi.from_buffer(buf), size[0]))
+            self._check(lib.k3_session_export(self._hs(), ffi.from_buffer(buf), size[0]))
         return bytes(buf)
 
     def import_state(self, data: bytes) -> None:
         ffi, lib = _lib()
         with self._lock:
-            self._check(lib.k3_session_import(self._h, ffi.from_buffer(data), len(data)))
+            self._check(lib.k3_session_import(self._hs(), ffi.from_buffer(data), len(data)))
 
     def snapshot(self) -> int:
         ffi, lib = _lib()
         with self._lock:
             out = ffi.new("int32_t *")
-            self._check(lib.k3_session_snapshot(self._h, out))
+            self._check(lib.k3_session_snapshot(self._hs(), out))
             return int(out[0])
 
     def restore(self, snap_id: int) -> None:
         _, lib = _lib()
         with self._lock:
-            self._check(lib.k3_session_restore(self._h, int(snap_id)))
+            self._check(lib.k3_session_restore(self._hs(), int(snap_id)))
 
     def drop_snapshot(self, snap_id: int) -> None:
         _, lib = _lib()
         with self._lock:
-            self._check(lib.k3_session_snapshot_drop(self._h, int(snap_id)))
+            self._check(lib.k3_session_snapshot_drop(self._hs(), int(snap_id)))
 
     def state_arrays(self) -> StateArrays:
         return decode_state(self.export_state())

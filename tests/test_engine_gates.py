@@ -224,3 +224,15 @@ def test_bad_ids_and_overflow_are_refused_without_taint(model: Model) -> None:
     assert not s.tainted and s.length == 0
     s.feed([1, 2])
     assert s.length == 2
+
+
+def test_closing_the_model_closes_its_sessions(tiny_dir: Path, full_ids: list[int]) -> None:
+    m = Model(tiny_dir)
+    s = m.session(T)
+    s.feed(full_ids[:3])
+    m.close()
+    with pytest.raises(EngineError, match="closed"):
+        s.feed(full_ids[3:4])
+    with pytest.raises(EngineError, match="closed"):
+        m.forward(full_ids[:2])
+    del s  # freeing after the model is gone must not touch freed memory
