@@ -1,41 +1,60 @@
 """The memory planner: one budget split into floor, trunk and expert cache (design 2.3).
 
-`k3chat plan MODEL_DIR [--memory X] [--context N]` prints the split before anything loads.
-Every size comes from the tensor table of the checkpoint in hand (shard headers when the
-shards are present, else the index's names with the catalogue's shapes and the dtypes the
-spec expects), never from constants, so the same code plans the real K3 and the fixtures.
+`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K]` prints the split before
+anything loads. Every size comes from the tensor table of the checkpoint in hand (shard
+headers when the shards are present, else the index's names with the catalogue's shapes and
+the dtypes the spec expects), never from constants, so the same code plans the real K3 and
+the fixtures. The plan models what the C engine holds (native/k3_load.c, k3_ring.c,
+k3_store.c) and `Plan.stream_options()` gives the engine exactly those options.
 
 Order of the split (trunk before experts: a peer measured trunk-first 1.69x faster at the
 same budget):
 
-1. **Floor** (always resident): embeddings and lm_head, the output norms, fp32 copies of the
-   small vectors, the session state for the requested context (KDA state is fixed; the MLA
-   latent cache grows by (kv_lora + rope) x 4 B per position per MLA layer), one turn
-   snapshot of the KDA state, work buffers (an estimate for a prefill chunk of 64 tokens),
-   and I/O staging buffers.
-2. **Trunk**: all resident if it fits (with the minimum expert cache beside it). Otherwise
-   the largest layers are pinned and the rest stream through a ring of 2 slots, each slot as
-   large as the largest streamed layer. The most bytes are pinned that the budget allows.
-3. **Expert cache**: the rest, in whole slots. A plan needs at least one layer's whole top-k
-   plus one spare slot (the engine's expert store refuses fewer), else it is refused.
+1. **Floor** (always resident): lm_head; the embedding table only when the whole trunk is
+   resident (otherwise, or when only that lets a resident trunk fit, embedding rows are read
+   from the shard per token: `embed_stream`, one row of hidden x 2 B); every small vector of
+   every layer widened to fp32 (norms, AttnRes, conv, A_log, dt_bias, router biases: the
+   engine keeps them even for streamed layers); the session state for the requested context
+   (KDA state is fixed; the MLA latent cache grows by (kv_lora + rope) x 4 B per position
+   per MLA layer), one turn snapshot of the KDA state, work buffers (an estimate for a
+   prefill chunk of 64 tokens) and I/O staging buffers.
+2. **Trunk** (its matrices: every 2-D tensor with both dims > 1, which are exactly the
+   tensors the engine binds as matrices): all resident if it fits
+   (with the minimum expert cache beside it). Otherwise the largest layers are pinned and
+   the rest stream in UNITS, a layer's attention matrices then its FFN matrices, through a
+   ring of 2 slots, each as large as the largest streamed unit (bounded by its bytes + 64 B
+   per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
+   (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
+   unit. As many of the largest layers are pinned as the budget allows.
+3. **Expert cache**: the rest, in whole slots (expert + 2 x 4096 B, page-aligned). A plan
+   needs at least one layer's whole top-k plus one spare slot (the engine's expert store
+   refuses fewer), else it is refused.
 
-A budget is a ceiling: total <= budget always, and a budget above what the machine can hold
-without swapping is refused unless `check_machine=False`.
+A budget is a ceiling: what the plan holds is <= budget, and so is the peak while the engine
+opens the model (pinned layers and vectors plus its largest read buffer: a pinned layer's
+run, or lm_head read and copied, before the ring and expert slots exist). A budget above
+what the machine can hold without swapping is refused unless `check_machine=False`.
 
 Presets for the real Kimi K3 (its config.json and index; context 8,192 tokens, one turn
-snapshot; GiB throughout; "streamed" is trunk read per token, "cold read" adds every MoE
-layer's top-16 experts with an empty cache):
+snapshot, lookahead 0; GiB throughout; "streamed" is trunk read per token, "cold read" adds
+every MoE layer's top-16 experts with an empty cache; ring slots: a KDA layer's attention
+unit, 887,164,928 B):
 
-| preset | budget | floor | trunk | expert cache | total | cold read/token |
-|---|---|---|---|---|---|---|
-| small  | 8G   | refused: the smallest plan needs 10.37 (floor 5.73 + ring 2 x 2.18 sized for layer 0 + 17 expert slots 0.28) | | | | |
-| medium | 16G  | 5.73 | 5 layers pinned (0-2, 4-5) 6.90 + ring 2 x 1.18; 88 layers (94.44) streamed | 61 slots, 1.00 | 15.99 | 118.49 |
-| large  | 64G  | 5.73 | 46 layers pinned 55.31 + ring 2 x 1.18; 47 layers (46.03) streamed | 36 slots, 0.59 | 63.99 | 70.08 |
-| huge   | 256G | 5.73 | all 93 layers resident, 101.34 | 9,109 slots, 148.93 | 256.00 | 24.06 |
+| preset | budget | floor | pinned | streamed | ring | expert cache | total | cold read/token |
+|---|---|---|---|---|---|---|---|---|
+| small  | 8G   | 3.59 (rows streamed) | layer 0, 2.18 | 92 layers, 99.11 | 2 x 0.83 | 35 slots, 0.57 | 8.00 | 123.17 |
+| medium | 16G  | 3.59 (rows streamed) | 8 layers (0-2, 4-6, 8-9), 10.44 | 85 layers, 90.85 | 2 x 0.83 | 19 slots, 0.31 | 15.99 | 114.91 |
+| large  | 64G  | 3.59 (rows streamed) | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 | 68 slots, 1.11 | 63.99 | 67.71 |
+| huge   | 256G | 5.78 (table held) | all 93 layers, 101.29 | none | none | 9,109 slots, 148.93 | 256.00 | 24.06 |
 
-Floor at 8,192 tokens: embeddings 2.19 + lm_head 2.19 + KDA state 0.43 + snapshot 0.43 + MLA
-cache 0.42 + work 0.05 + staging and fp32 vectors 0.02. The smallest K3 budget is 9.94 GiB at
-1 token, 10.37 at 8K, 11.64 at 32K and 16.72 at 128K; 16G holds at most 117,060 tokens.
+Floor at 8,192 tokens: lm_head 2.19 + KDA state 0.43 + snapshot 0.43 + MLA cache 0.42 + layer
+vectors 0.06 + work 0.05 + staging 0.01 = 3.59, plus the embedding table 2.19 when the trunk
+is resident. Streaming layer 0 would need ring slots for its dense FFN unit (3 x 33,792 x
+7,168 x 2 B = 1.35 GiB each), so the smallest plan streams every layer: 6.58 GiB at 8K
+(floor 3.59 + ring 2 x 1.35 + 17 expert slots 0.28); 6.15 at 1 token, 7.85 at 32K, 12.93 at
+128K. 8G holds at most 35,723 tokens and 16G 190,352. Lookahead adds 92 routers (1.10 GiB)
+to the smallest plan. A resident trunk needs 105.73 GiB (rows streamed) and the embedding
+table joins it from 107.92 GiB (the peak while lm_head is read and copied at open binds).
 
 (`python -m k3engine.planner DIR --memory large --no-machine-check` prints any of these in
 full on any machine.)
@@ -53,7 +72,8 @@ from pathlib import Path
 from typing import Any
 
 from . import sizes as sz
-from .catalog import TensorSpec, expected_tensors, expert_names, model_specs, trunk_specs
+from .catalog import (TensorSpec, expected_tensors, expert_names, layer_prefix, model_specs,
+                      trunk_specs)
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
 from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NAME,
@@ -62,14 +82,16 @@ from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NA
 __all__ = [
     "Plan", "PlanError", "TensorSizes", "make_plan", "minimum_budget", "max_context",
     "tensor_sizes_from_dir", "sizes_from_table", "sizes_from_names", "work_buffer_parts",
-    "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK", "RING_SLOTS", "IO_ALIGN",
+    "slot_bytes", "unit_slot_bytes", "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK",
+    "RING_SLOTS", "RING_READ_ALIGN", "IO_ALIGN",
 ]
 
 DEFAULT_CONTEXT = 8192
 PREFILL_CHUNK = 64  # tokens per prefill call the work buffers are sized for
-FLOAT = 4  # fp32 activations and state
+FLOAT = 4  # fp32 activations, state and the widened small vectors
 IO_ALIGN = 4096  # direct-I/O alignment of offsets, lengths and buffers
-RING_SLOTS = 2  # a streamed trunk needs a reader one layer ahead, so never one slot
+RING_SLOTS = 2  # a streamed trunk needs a reader one unit ahead, so never one slot
+RING_READ_ALIGN = 64  # kr_unit_layout starts every read that is not coalesced 64-byte aligned
 SPARE_EXPERT_SLOTS = 1  # the expert store needs one free slot beyond a layer's top-k
 IO_READERS = 8  # reader threads (queue depth 8, what `k3chat doctor` measures)
 # An allowance per reader thread for reads that do not land in a slot (per-tensor fallback
@@ -83,6 +105,23 @@ GZ_INDEX_NAME = INDEX_NAME + ".gz"
 # Tensors the spec expects in F32 (spec 3.3); with them the real trunk is 108,811,694,848 B.
 _F32_SUFFIXES = ("_conv1d.weight", ".dt_bias", ".A_log")
 
+# The matrices of a layer, as the engine binds them (km_bind_layer in native/k3_load.c):
+# kept in their stored dtype and, when the layer streams, read through the ring in two
+# units. Every other trunk tensor (norm gains, AttnRes [1, E] projections, conv [P, 1, K],
+# A_log, dt_bias, e_score_correction_bias) is a small vector the engine widens to fp32 and
+# keeps resident, streamed layer or not.
+_ATTN_MATRICES = frozenset(f"self_attn.{x}.weight" for x in (
+    "q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "f_a_proj", "f_b_proj", "b_proj",  # KDA
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"))  # MLA (+ g_proj, o_proj)
+ROUTER = "block_sparse_moe.gate.weight"
+_FFN_MATRICES = frozenset({
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",  # dense
+    ROUTER, "block_sparse_moe.routed_expert_down_proj.weight",
+    "block_sparse_moe.routed_expert_up_proj.weight",
+    "block_sparse_moe.shared_experts.gate_proj.weight",
+    "block_sparse_moe.shared_experts.up_proj.weight",
+    "block_sparse_moe.shared_experts.down_proj.weight"})
+
 
 # ---------------------------------------------------------------------------------------
 # The tensor table, aggregated
@@ -91,13 +130,23 @@ _F32_SUFFIXES = ("_conv1d.weight", ".dt_bias", ".A_log")
 
 @dataclass(frozen=True)
 class TensorSizes:
-    """Byte sizes the planner needs, summed from a checkpoint's tensor table."""
+    """Byte sizes the planner needs, summed from a checkpoint's tensor table.
 
-    layer_trunk: tuple[int, ...]  # bytes of each layer's trunk tensors, layer 0 first
+    Per layer (layer 0 first): the matrices of its attention unit and of its FFN unit
+    (bytes as stored and how many tensors), the router among the FFN matrices, and the
+    fp32 bytes of its small vectors.
+    """
+
+    layer_trunk: tuple[int, ...]  # every trunk tensor of the layer, as stored
+    layer_attn: tuple[int, ...]  # attention matrices, as stored
+    layer_attn_count: tuple[int, ...]
+    layer_ffn: tuple[int, ...]  # FFN matrices (router included), as stored
+    layer_ffn_count: tuple[int, ...]
+    layer_router: tuple[int, ...]  # the MoE router matrix (0 for a dense layer)
+    layer_vectors: tuple[int, ...]  # the small vectors widened to fp32 (always resident)
     embed: int
     lm_head: int
-    model_other: int  # final norm and the output AttnRes tensors
-    vector_widening: int  # extra bytes when the small vectors are held as fp32
+    model_vectors: int  # final norm and the output AttnRes tensors, widened to fp32
     expert_bytes: int  # one routed expert's six tensors
     n_experts_total: int  # routed experts over all MoE layers
     source: str  # "shard headers", "index + catalogue" or a mix
@@ -106,9 +155,14 @@ class TensorSizes:
     def trunk_total(self) -> int:
         return sum(self.layer_trunk)
 
+    def layer_matrices(self, layer: int) -> int:
+        """Bytes a pinned layer holds beyond its vectors: all its matrices, as stored."""
+        return self.layer_attn[layer] + self.layer_ffn[layer]
 
-def _expected_nbytes(cfg: ModelConfig, name: str, spec: TensorSpec) -> int:
-    """Bytes of a tensor known only by name: the catalogue's shape, the spec's dtype."""
+
+def _expected_nbytes(cfg: ModelConfig, name: str, spec: TensorSpec) -> tuple[int, int]:
+    """(bytes, elements) of a tensor known only by name: the catalogue's shape and the
+    dtype the spec expects."""
     shape = spec.shape
     if spec.min_len:
         # A_log ships zero-padded to the KDA head width (128 for 96 heads in the release;
@@ -123,21 +177,18 @@ def _expected_nbytes(cfg: ModelConfig, name: str, spec: TensorSpec) -> int:
     numel = 1
     for dim in shape:
         numel *= dim
-    return numel * DTYPE_SIZES[dtype]
+    return numel * DTYPE_SIZES[dtype], numel
 
 
-def _widening(spec: TensorSpec, nbytes: int) -> int:
-    """Extra bytes if this tensor is a small vector the engine keeps widened to fp32.
-
-    Norm gains, biases, A_log, dt_bias and the [1, E] AttnRes projections are held as fp32
-    arrays (matrices stay as stored and are widened row by row in the kernels).
-    """
-    shape = spec.shape
-    is_vector = len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)
-    if spec.kind == "expert" or not is_vector:
-        return 0
-    numel = shape[-1]  # for A_log: only the used H_k entries are kept
-    return max(0, numel * FLOAT - nbytes)
+def _spec_numel(spec: TensorSpec, nbytes: int) -> int:
+    """Elements of a trunk vector known by its bytes only: the catalogue's shape, or for a
+    vector that may be longer (A_log) the most a 2-byte dtype can hold (an upper bound)."""
+    if spec.min_len:
+        return nbytes // 2
+    numel = 1
+    for dim in spec.shape:
+        numel *= dim
+    return numel
 
 
 def _name_problems(expected: Mapping[str, TensorSpec], names: Iterable[str]) -> list[str]:
@@ -156,30 +207,60 @@ def _name_problems(expected: Mapping[str, TensorSpec], names: Iterable[str]) -> 
 
 def sizes_from_table(cfg: ModelConfig, nbytes: Mapping[str, int],
                      source: str = "tensor table") -> TensorSizes:
-    """Aggregate a name -> bytes table (language_model tensors; others are ignored)."""
+    """Aggregate a name -> bytes table (language_model tensors; others are ignored).
+
+    Without dtypes the fp32 size of a vector comes from the catalogue's shape (A_log, which
+    may be padded: an upper bound)."""
     expected = expected_tensors(cfg)
     problems = _name_problems(expected, nbytes)
     if problems:
         raise CheckpointError(f"the tensor table does not match config.json: "
                               f"{'; '.join(problems)}. The checkpoint and config.json must "
                               f"come from the same release")
-    return _aggregate(cfg, expected, nbytes, source)
+    return _aggregate(cfg, expected, nbytes, {}, source)
 
 
 def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Mapping[str, int],
-               source: str) -> TensorSizes:
-    """Sum a checked table (every expected name present) into the planner's sizes."""
-    layer_trunk = tuple(sum(nbytes[n] for n in trunk_specs(cfg, L)) for L in range(cfg.n_layers))
-    widening = sum(_widening(spec, nbytes[n]) for n, spec in expected.items()
-                   if spec.kind != "expert")
-    expert_bytes = _expert_bytes(cfg, nbytes)
+               numel: Mapping[str, int], source: str) -> TensorSizes:
+    """Sum a checked table (every expected name present) into the planner's sizes.
+
+    `numel` gives the element count of tensors whose dtype is known (else the catalogue's)."""
+
+    def fp32(name: str) -> int:
+        n = numel[name] if name in numel else _spec_numel(expected[name], nbytes[name])
+        return n * FLOAT
+
+    cols: dict[str, list[int]] = {k: [] for k in ("trunk", "attn", "attn_n", "ffn", "ffn_n",
+                                                  "router", "vectors")}
+    for layer in range(cfg.n_layers):
+        prefix = layer_prefix(layer)
+        row = dict.fromkeys(cols, 0)
+        for name in trunk_specs(cfg, layer):
+            local = name[len(prefix):]
+            row["trunk"] += nbytes[name]
+            if local in _ATTN_MATRICES:
+                row["attn"] += nbytes[name]
+                row["attn_n"] += 1
+            elif local in _FFN_MATRICES:
+                row["ffn"] += nbytes[name]
+                row["ffn_n"] += 1
+                if local == ROUTER:
+                    row["router"] = nbytes[name]
+            else:
+                row["vectors"] += fp32(name)
+        for key, value in row.items():
+            cols[key].append(value)
     models = model_specs(cfg)
     embed_name = next(n for n in models if n.endswith("embed_tokens.weight"))
     head_name = next(n for n in models if n.endswith("lm_head.weight"))
-    other = sum(nbytes[n] for n in models if n not in (embed_name, head_name))
     return TensorSizes(
-        layer_trunk=layer_trunk, embed=nbytes[embed_name], lm_head=nbytes[head_name],
-        model_other=other, vector_widening=widening, expert_bytes=expert_bytes,
+        layer_trunk=tuple(cols["trunk"]), layer_attn=tuple(cols["attn"]),
+        layer_attn_count=tuple(cols["attn_n"]), layer_ffn=tuple(cols["ffn"]),
+        layer_ffn_count=tuple(cols["ffn_n"]), layer_router=tuple(cols["router"]),
+        layer_vectors=tuple(cols["vectors"]), embed=nbytes[embed_name],
+        lm_head=nbytes[head_name],
+        model_vectors=sum(fp32(n) for n in models if n not in (embed_name, head_name)),
+        expert_bytes=_expert_bytes(cfg, nbytes),
         n_experts_total=len(cfg.moe_layers) * cfg.n_experts, source=source)
 
 
@@ -217,14 +298,21 @@ def sizes_from_names(cfg: ModelConfig, names: Iterable[str],
         raise CheckpointError(f"the checkpoint does not match config.json: "
                               f"{'; '.join(problems)}. The shards, index and config.json must "
                               f"come from the same release")
-    table = {n: headers[n].nbytes if n in headers else _expected_nbytes(cfg, n, spec)
-             for n, spec in expected.items()}
+    table: dict[str, int] = {}
+    numel: dict[str, int] = {}
+    for n, spec in expected.items():
+        if n in headers:
+            table[n] = headers[n].nbytes
+            if spec.kind != "expert":
+                numel[n] = headers[n].nbytes // DTYPE_SIZES[headers[n].dtype]
+        else:
+            table[n], numel[n] = _expected_nbytes(cfg, n, spec)
     found = sum(n in headers for n in expected)
     source = ("shard headers" if found == len(expected) else
               "index + catalogue" if found == 0 else
               f"shard headers for {found} of {len(expected)} tensors, index + catalogue "
               f"for the rest")
-    return _aggregate(cfg, expected, table, source)
+    return _aggregate(cfg, expected, table, numel, source)
 
 
 def _gz_index_names(path: Path) -> list[str]:
@@ -304,9 +392,20 @@ def _align(n: int) -> int:
 
 
 def slot_bytes(run_bytes: int) -> int:
-    """A read slot for a run that may start anywhere: direct I/O reads whole aligned pages,
-    so the span can reach one page before and one after (the expert store does the same)."""
+    """An expert cache slot for a run that may start anywhere: direct I/O reads whole
+    aligned pages, so the span can reach one page before and one after (the expert store's
+    `cap` in native/k3_store.c: align4096(expert + 2 x 4096))."""
     return _align(run_bytes + 2 * IO_ALIGN)
+
+
+def unit_slot_bytes(unit_bytes: int, n_tensors: int) -> int:
+    """An upper bound on the ring slot a streamed unit needs (kr_unit_layout in
+    native/k3_ring.c): its tensors back to back, each read that is not coalesced with the
+    one before starting 64-byte aligned (less than 64 B of padding per tensor), in a
+    page-aligned buffer."""
+    if n_tensors == 0:
+        return 0
+    return _align(unit_bytes + RING_READ_ALIGN * n_tensors)
 
 
 @dataclass(frozen=True)
@@ -318,12 +417,23 @@ class _Floor:
         return sum(self.parts.values())
 
 
-def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int) -> _Floor:
+def embed_row_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
+    """One embedding row as stored: what `embed_stream` reads per token."""
+    return ts.embed // cfg.vocab
+
+
+def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
+           embed_stream: bool) -> _Floor:
+    """Everything resident whatever the trunk layout (given the embedding choice).
+
+    With `embed_stream` the engine holds no embedding table, only a one-row read buffer
+    (km_embed in native/k3_model.c)."""
     state = kda_state_bytes(cfg)
     return _Floor({
-        "embeddings": ts.embed,
+        "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
         "lm_head": ts.lm_head,
-        "output norms, fp32 vectors": ts.model_other + ts.vector_widening,
+        "output norms (fp32)": ts.model_vectors,
+        "layer vectors (fp32)": sum(ts.layer_vectors),
         "KDA state": state,
         "turn snapshots": snapshots * state,
         "MLA latent cache": context * mla_bytes_per_position(cfg),
@@ -354,6 +464,9 @@ class PlanError(Exception):
         self.machine_limit = machine_limit
 
 
+_UNIT_NAMES = ("attention", "FFN")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A budget split. Every field is bytes unless named otherwise."""
@@ -362,9 +475,13 @@ class Plan:
     context: int  # tokens the session state is sized for
     prefill_chunk: int
     # floor
-    embed_bytes: int
+    embed_stream: bool  # embedding rows read from the shard per token; no table held
+    embed_bytes: int  # resident for the embeddings: the table, or one row buffer
+    embed_table_bytes: int  # the embedding table as stored
+    embed_row_bytes: int  # one row, read per token when embed_stream
     lm_head_bytes: int
-    model_other_bytes: int  # output norms + fp32 copies of the small vectors
+    model_vector_bytes: int  # output norms and AttnRes, fp32
+    layer_vector_bytes: int  # every layer's small vectors, fp32, resident even when streamed
     kda_state_bytes: int
     snapshots: int
     snapshot_bytes: int
@@ -373,14 +490,20 @@ class Plan:
     work_bytes: int
     staging_bytes: int
     # trunk
-    trunk_bytes: int  # the whole trunk, resident or not
+    trunk_bytes: int  # the whole trunk as stored, resident or not
+    trunk_matrix_bytes: int  # its matrices (the rest is the vectors, held as fp32 above)
     trunk_resident: bool
     pinned_layers: tuple[int, ...]  # held in memory (all layers when trunk_resident)
-    pinned_bytes: int
-    streamed_layers: tuple[int, ...]  # read through the ring every token
-    streamed_bytes: int
+    pinned_bytes: int  # matrices of the pinned layers
+    streamed_layers: tuple[int, ...]  # matrices read through the ring every token
+    streamed_bytes: int  # matrices read per token (routers excluded with lookahead)
+    lookahead: int  # experts per token prefetched for the next layer (0: off)
+    router_bytes: int  # routers of streamed MoE layers held resident for the lookahead
     ring_slots: int
-    ring_slot_bytes: int
+    ring_slot_bytes: int  # upper bound for the largest streamed unit
+    ring_unit: str  # which unit sizes the ring, e.g. "layer 0 FFN" ("" when resident)
+    ring_unit_bytes: int  # that unit's matrices, as stored
+    ring_unit_tensors: int
     # expert cache
     expert_bytes: int  # one routed expert as stored
     expert_slot_bytes: int  # one cache slot (expert + direct-I/O slack)
@@ -391,13 +514,19 @@ class Plan:
     top_k: int
     moe_layers: int
     sizes_source: str
+    open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
     machine_limit: int | None = None  # what the machine could hold, when it was checked
-    layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk bytes per layer
+    # per layer, layer 0 first
+    layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk as stored
+    layer_matrix_bytes: tuple[int, ...] = field(default=(), repr=False)  # cost when pinned
+    layer_unit_slots: tuple[tuple[int, int], ...] = field(default=(), repr=False)  # ring
+    # slot bound of the (attention, FFN) units if the layer streams under this lookahead
 
     @property
     def floor_parts(self) -> dict[str, int]:
         return {"embeddings": self.embed_bytes, "lm_head": self.lm_head_bytes,
-                "output norms, fp32 vectors": self.model_other_bytes,
+                "output norms (fp32)": self.model_vector_bytes,
+                "layer vectors (fp32)": self.layer_vector_bytes,
                 "KDA state": self.kda_state_bytes, "turn snapshots": self.snapshot_bytes,
                 "MLA latent cache": self.mla_cache_bytes, "work buffers": self.work_bytes,
                 "I/O staging": self.staging_bytes}
@@ -412,8 +541,8 @@ class Plan:
 
     @property
     def trunk_plan_bytes(self) -> int:
-        """Memory the trunk takes under this plan: pinned layers plus the ring."""
-        return self.pinned_bytes + self.ring_bytes
+        """Memory the trunk matrices take under this plan: pinned, ring, lookahead routers."""
+        return self.pinned_bytes + self.ring_bytes + self.router_bytes
 
     @property
     def total(self) -> int:
@@ -421,18 +550,44 @@ class Plan:
 
     @property
     def cold_read_per_token(self) -> int:
-        """Bytes read per token with a cold expert cache: streamed trunk + every top-k."""
-        return self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
+        """Bytes read per token with a cold expert cache: streamed trunk matrices, every
+        MoE layer's top-k and, with embed_stream, the token's embedding row."""
+        return (self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
+                + (self.embed_row_bytes if self.embed_stream else 0))
+
+    def engine_options(self, reader_threads: int = IO_READERS) -> dict[str, Any]:
+        """The engine's open options for this plan, as `StreamOptions` field values."""
+        return {
+            "expert_cache_bytes": self.expert_slots * self.expert_slot_bytes,
+            "reader_threads": reader_threads,
+            "direct_io": True,
+            "lookahead": self.lookahead,
+            "prefetch": True,
+            "trunk_stream": not self.trunk_resident,
+            # with a resident trunk the engine builds no ring; 2 is StreamOptions' default
+            "ring_slots": self.ring_slots if not self.trunk_resident else RING_SLOTS,
+            "pinned": tuple(self.pinned_layers),
+            "embed_stream": self.embed_stream,
+        }
+
+    def stream_options(self, reader_threads: int = IO_READERS) -> Any:
+        """`k3engine.model.StreamOptions` that make the engine hold exactly this plan."""
+        from .model import StreamOptions  # lazy: the planner must not need the built engine
+
+        return StreamOptions(**self.engine_options(reader_threads))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.pop("layer_bytes")
+        for key in ("layer_bytes", "layer_matrix_bytes", "layer_unit_slots"):
+            out.pop(key)
         out["pinned_layers"] = list(self.pinned_layers)
         out["streamed_layers"] = list(self.streamed_layers)
+        options = self.engine_options()
+        options["pinned"] = list(options["pinned"])
         out.update(floor_parts=self.floor_parts, floor_bytes=self.floor_bytes,
                    ring_bytes=self.ring_bytes, trunk_plan_bytes=self.trunk_plan_bytes,
                    total=self.total, headroom=self.budget - self.total,
-                   cold_read_per_token=self.cold_read_per_token)
+                   cold_read_per_token=self.cold_read_per_token, engine_options=options)
         return out
 
     def table(self) -> str:
@@ -462,7 +617,12 @@ def _render_table(p: Plan) -> str:
     lines = [f"memory plan: budget {sz.format_bytes(p.budget)} ({p.budget:,} B), context "
              f"{p.context:,} tokens; sizes from {p.sizes_source}",
              "floor (always resident)"]
-    notes = {"MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
+    embed_note = (f"streamed: one row of {p.embed_row_bytes:,} B read per token "
+                  f"(table of {p.embed_table_bytes:,} B not held)" if p.embed_stream
+                  else "resident table")
+    notes = {"embeddings": embed_note,
+             "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
+             "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
              "work buffers": f"estimate, prefill chunk of {p.prefill_chunk} tokens",
              "turn snapshots": f"{p.snapshots} x KDA state",
              "KDA state": "fixed, whatever the context",
@@ -470,25 +630,41 @@ def _render_table(p: Plan) -> str:
     lines += [_row(k, v, notes.get(k, "")) for k, v in p.floor_parts.items()]
     lines.append(_row("floor total", p.floor_bytes))
     n_layers = len(p.pinned_layers) + len(p.streamed_layers)
-    lines.append(f"trunk ({p.trunk_bytes:,} B in {n_layers} layers)")
+    lines.append(f"trunk ({p.trunk_bytes:,} B in {n_layers} layers; matrices "
+                 f"{p.trunk_matrix_bytes:,} B, vectors in the floor)")
     if p.trunk_resident:
         lines.append(_row("resident (all layers)", p.pinned_bytes))
     else:
         lines.append(_row(f"pinned: {len(p.pinned_layers)} layers", p.pinned_bytes,
                           f"layers {_ranges(p.pinned_layers)}"))
         lines.append(_row(f"streamed: {len(p.streamed_layers)} layers", p.streamed_bytes,
-                          "read every token, not held"))
+                          f"layers {_ranges(p.streamed_layers)}, read every token, not held"))
+        if p.lookahead:
+            lines.append(_row("routers (lookahead)", p.router_bytes,
+                              f"of the streamed MoE layers, resident for lookahead "
+                              f"{p.lookahead}"))
         lines.append(_row(f"ring: {p.ring_slots} slots", p.ring_bytes,
-                          f"{p.ring_slot_bytes:,} B each (largest streamed layer)"))
+                          f"{p.ring_slot_bytes:,} B each (largest streamed unit: "
+                          f"{p.ring_unit} matrices, {p.ring_unit_bytes:,} B in "
+                          f"{p.ring_unit_tensors} tensors)"))
     lines.append("expert cache")
     lines.append(_row(f"{p.expert_slots:,} slots", p.expert_cache_bytes,
                       f"{p.expert_slot_bytes:,} B each (expert {p.expert_bytes:,} B + "
                       f"direct-I/O slack); minimum {p.min_expert_slots}, checkpoint has "
                       f"{p.experts_total:,}"))
     lines.append(_row("total", p.total, f"headroom {p.budget - p.total:,} B"))
+    lines.append(_row("peak while opening", p.open_peak_bytes,
+                      "pinned layers + vectors + the largest read buffer (no ring, expert "
+                      "slots or session yet)"))
+    embed_read = f" + embedding row {p.embed_row_bytes:,} B" if p.embed_stream else ""
     lines.append(f"cold read per token: {sz.format_bytes(p.cold_read_per_token)} "
                  f"(streamed trunk {sz.format_bytes(p.streamed_bytes)} + top-{p.top_k} experts of "
-                 f"{p.moe_layers} MoE layers)")
+                 f"{p.moe_layers} MoE layers{embed_read})")
+    opts = p.engine_options()
+    pinned = _ranges(p.pinned_layers) if opts["trunk_stream"] else "all"
+    lines.append(f"engine options: trunk_stream={opts['trunk_stream']}, ring_slots="
+                 f"{opts['ring_slots']}, pinned {pinned}, embed_stream={p.embed_stream}, "
+                 f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}")
     if p.machine_limit is not None:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
@@ -496,31 +672,103 @@ def _render_table(p: Plan) -> str:
 
 
 @dataclass(frozen=True)
+class _Layout:
+    """Per-layer costs under a lookahead setting."""
+
+    matrices: tuple[int, ...]  # held when pinned
+    streamed: tuple[int, ...]  # read per token when streamed
+    routers: tuple[int, ...]  # held when streamed (lookahead only)
+    units: tuple[tuple[int, int], ...]  # ring slot bound of (attention, FFN) when streamed
+    unit_raw: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # (bytes, tensors) each
+    # read buffers while the layer is opened: a pinned layer's whole run (or, when it is not
+    # contiguous, one tensor at a time); a streamed layer's resident tensors one at a time
+    open_pinned: tuple[int, ...]
+    open_streamed: tuple[int, ...]
+
+
+def _layout(ts: TensorSizes, lookahead: int) -> _Layout:
+    n = len(ts.layer_trunk)
+    routers = tuple(ts.layer_router[L] if lookahead > 0 else 0 for L in range(n))
+    raw = []
+    for L in range(n):
+        attn = (ts.layer_attn[L], ts.layer_attn_count[L])
+        ffn = (ts.layer_ffn[L] - routers[L], ts.layer_ffn_count[L] - (1 if routers[L] else 0))
+        raw.append((attn, ffn))
+    streamed = tuple(ts.layer_matrices(L) - routers[L] for L in range(n))
+    return _Layout(
+        matrices=tuple(ts.layer_matrices(L) for L in range(n)), streamed=streamed,
+        routers=routers,
+        units=tuple((unit_slot_bytes(*a), unit_slot_bytes(*f)) for a, f in raw),
+        unit_raw=tuple(raw), open_pinned=ts.layer_trunk,
+        open_streamed=tuple(ts.layer_trunk[L] - streamed[L] for L in range(n)))
+
+
+@dataclass(frozen=True)
 class _Trunk:
     resident: bool
+    embed_stream: bool
     pinned: tuple[int, ...]
     streamed: tuple[int, ...]
-    ring_slot: int
+    ring_slot: int  # bound for the largest streamed unit (0 when resident)
+    ring_unit: tuple[int, int] | None  # (layer, unit index) that sizes the ring
+    pinned_bytes: int
+    streamed_bytes: int
+    router_bytes: int
+    open_buffer: int  # the largest read buffer while the layers are opened
 
-    def cost(self, layer_bytes: Sequence[int]) -> int:
-        ring = 0 if self.resident else RING_SLOTS * self.ring_slot
-        return sum(layer_bytes[L] for L in self.pinned) + ring
+    def cost(self, ring_slots: int) -> int:
+        """Trunk memory: pinned matrices + ring + routers held for the lookahead."""
+        ring = 0 if self.resident else ring_slots * self.ring_slot
+        return self.pinned_bytes + ring + self.router_bytes
 
 
-def _trunk_options(layer_bytes: Sequence[int]) -> list[_Trunk]:
+def _trunk_options(lay: _Layout) -> list[_Trunk]:
     """Every trunk layout worth considering, most pinned bytes first.
 
-    Pinning the p largest layers and streaming the rest: for a fixed count p that pins
-    the most bytes and also makes the ring (sized by the largest streamed layer) smallest.
+    A resident trunk first, with the embedding table, then reading embedding rows per
+    token instead (only that may let a resident trunk fit). Then the p largest layers
+    pinned and the rest streamed (with embedding rows read per token): for a fixed count p
+    that pins the most bytes, and here the ring is sized by the largest streamed unit.
     """
-    everything = tuple(range(len(layer_bytes)))
-    options = [_Trunk(True, everything, (), 0)]
-    order = sorted(everything, key=lambda L: (-layer_bytes[L], L))
-    for p in range(len(order) - 1, -1, -1):
-        streamed = tuple(sorted(order[p:]))
-        options.append(_Trunk(False, tuple(sorted(order[:p])), streamed,
-                              slot_bytes(layer_bytes[order[p]])))
+    n = len(lay.matrices)
+    everything = tuple(range(n))
+    total = sum(lay.matrices)
+    order = sorted(everything, key=lambda L: (-lay.matrices[L], L))
+    pinned_open = [0]  # pinned_open[p]: the largest run of the p largest layers
+    for L in order:
+        pinned_open.append(max(pinned_open[-1], lay.open_pinned[L]))
+    options = [_Trunk(True, embed, everything, (), 0, None, total, 0, 0, pinned_open[n])
+               for embed in (False, True)]
+    best: tuple[int, int, int] = (0, 0, 0)  # (slot bound, layer, unit): the ring's unit
+    streamed: list[int] = []
+    pinned_bytes, streamed_bytes, router_bytes, streamed_open = total, 0, 0, 0
+    for p in range(n - 1, -1, -1):
+        L = order[p]
+        streamed.append(L)
+        pinned_bytes -= lay.matrices[L]
+        streamed_bytes += lay.streamed[L]
+        router_bytes += lay.routers[L]
+        streamed_open = max(streamed_open, lay.open_streamed[L])
+        for u in (0, 1):  # ties name the lowest layer
+            if (lay.units[L][u], -L) > (best[0], -best[1]):
+                best = (lay.units[L][u], L, u)
+        options.append(_Trunk(False, True, tuple(sorted(order[:p])), tuple(sorted(streamed)),
+                              best[0], (best[1], best[2]), pinned_bytes, streamed_bytes,
+                              router_bytes, max(pinned_open[p], streamed_open)))
     return options
+
+
+def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
+    """The most the engine holds while it opens the model (k3_model_open), an upper bound.
+
+    The layers come first, each pinned one through a read buffer of its whole run; then the
+    embedding table (when held) and lm_head, each read into a buffer and copied. The ring,
+    the expert slots (made on first use), the session state and the work buffers do not
+    exist yet."""
+    held = (floor.parts["layer vectors (fp32)"] + floor.parts["output norms (fp32)"]
+            + floor.parts["I/O staging"] + trunk.pinned_bytes + trunk.router_bytes)
+    table = 0 if trunk.embed_stream else ts.embed
+    return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
 
 
 def _min_expert_slots(cfg: ModelConfig, ts: TensorSizes) -> int:
@@ -529,64 +777,109 @@ def _min_expert_slots(cfg: ModelConfig, ts: TensorSizes) -> int:
     return min(cfg.top_k + SPARE_EXPERT_SLOTS, ts.n_experts_total)
 
 
+def _check_ring_slots(ring_slots: int, budget: int, context: int) -> None:
+    if ring_slots < 2:
+        raise PlanError(f"a streamed trunk needs a ring of at least 2 slots (a reader one "
+                        f"unit ahead), got {ring_slots}", budget=budget, context=context)
+
+
+def _need(cfg: ModelConfig, ts: TensorSizes, floors: Mapping[bool, _Floor], trunk: _Trunk,
+          ring_slots: int) -> int:
+    """The smallest budget `trunk` fits in: held with the minimum expert cache, and the
+    peak while the engine opens the model."""
+    floor = floors[trunk.embed_stream]
+    held = floor.total + trunk.cost(ring_slots) + _min_expert_slots(cfg, ts) * slot_bytes(
+        ts.expert_bytes)
+    return max(held, _open_peak(ts, floor, trunk))
+
+
+def _smallest(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
+              lookahead: int, ring_slots: int) -> tuple[int, _Trunk]:
+    """The smallest budget any plan at `context` fits in, and its trunk layout."""
+    floors = {e: _floor(cfg, ts, context, snapshots, e) for e in (False, True)}
+    return min(((_need(cfg, ts, floors, t, ring_slots), t)
+                for t in _trunk_options(_layout(ts, lookahead))), key=lambda x: x[0])
+
+
 def minimum_budget(cfg: ModelConfig, ts: TensorSizes, context: int,
-                   snapshots: int = DEFAULT_SNAPSHOTS) -> int:
+                   snapshots: int = DEFAULT_SNAPSHOTS, *, lookahead: int = 0,
+                   ring_slots: int = RING_SLOTS) -> int:
     """The smallest budget any plan at `context` fits in."""
-    floor = _floor(cfg, ts, context, snapshots).total
-    experts = _min_expert_slots(cfg, ts) * slot_bytes(ts.expert_bytes)
-    trunk = min(t.cost(ts.layer_trunk) for t in _trunk_options(ts.layer_trunk))
-    return floor + trunk + experts
+    return _smallest(cfg, ts, context, snapshots, lookahead, ring_slots)[0]
 
 
 def max_context(cfg: ModelConfig, ts: TensorSizes, budget: int,
-                snapshots: int = DEFAULT_SNAPSHOTS, limit: int = 1 << 31) -> int | None:
+                snapshots: int = DEFAULT_SNAPSHOTS, limit: int = 1 << 31, *,
+                lookahead: int = 0, ring_slots: int = RING_SLOTS) -> int | None:
     """The largest context a plan fits at `budget`, or None if not even one token does."""
-    if minimum_budget(cfg, ts, 1, snapshots) > budget:
+    def need(context: int) -> int:
+        return minimum_budget(cfg, ts, context, snapshots, lookahead=lookahead,
+                              ring_slots=ring_slots)
+
+    if need(1) > budget:
         return None
     lo, hi = 1, limit
     while lo < hi:  # the minimum grows with the context, so bisect
         mid = (lo + hi + 1) // 2
-        if minimum_budget(cfg, ts, mid, snapshots) <= budget:
+        if need(mid) <= budget:
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def _trunk_text(ts: TensorSizes, trunk: _Trunk) -> str:
+def _unit_text(lay: _Layout, unit: tuple[int, int]) -> str:
+    L, u = unit
+    nbytes, count = lay.unit_raw[L][u]
+    return f"layer {L}'s {_UNIT_NAMES[u]} matrices, {nbytes:,} B in {count} tensors"
+
+
+def _trunk_text(lay: _Layout, trunk: _Trunk, ring_slots: int) -> str:
     if trunk.resident:
-        return f"trunk resident {sz.format_bytes(trunk.cost(ts.layer_trunk))}"
-    biggest = max(trunk.streamed, key=lambda L: ts.layer_trunk[L])
-    text = (f"trunk ring {RING_SLOTS} x {sz.format_bytes(trunk.ring_slot)} (the largest "
-            f"streamed layer is layer {biggest}, {ts.layer_trunk[biggest]:,} B)")
+        return f"trunk matrices resident {sz.format_bytes(trunk.pinned_bytes)}"
+    assert trunk.ring_unit is not None
+    text = (f"trunk ring {ring_slots} x {sz.format_bytes(trunk.ring_slot)} ({trunk.ring_slot:,} "
+            f"B; the largest streamed unit is {_unit_text(lay, trunk.ring_unit)})")
     if trunk.pinned:
-        pinned = trunk.cost(ts.layer_trunk) - RING_SLOTS * trunk.ring_slot
-        text += f" + {len(trunk.pinned)} pinned layer(s) {sz.format_bytes(pinned)}"
+        text += (f" + {len(trunk.pinned)} pinned layer(s) {sz.format_bytes(trunk.pinned_bytes)}"
+                 f" (layers {_ranges(trunk.pinned)})")
+    if trunk.router_bytes:
+        text += (f" + the routers of {sum(1 for L in trunk.streamed if lay.routers[L])} "
+                 f"streamed MoE layers held for the lookahead "
+                 f"{sz.format_bytes(trunk.router_bytes)}")
     return text
 
 
-def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
-             snapshots: int, floor: _Floor) -> PlanError:
-    need = minimum_budget(cfg, ts, context, snapshots)
-    smallest = min(_trunk_options(ts.layer_trunk), key=lambda t: t.cost(ts.layer_trunk))
+def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snapshots: int,
+             lookahead: int, ring_slots: int) -> PlanError:
+    need, smallest = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots)
+    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream)
     k, slot = _min_expert_slots(cfg, ts), slot_bytes(ts.expert_bytes)
-    fits = max_context(cfg, ts, budget, snapshots)
+    fits = max_context(cfg, ts, budget, snapshots, lookahead=lookahead, ring_slots=ring_slots)
     parts = ", ".join(f"{name} {sz.format_bytes(v)}" for name, v in floor.parts.items())
+    if smallest.embed_stream:
+        parts += (f"; embedding rows read per token, {embed_row_bytes(cfg, ts):,} B each, "
+                  f"instead of holding the {sz.format_bytes(ts.embed)} table")
     advice = f"What to do: give --memory {_round_up_g(need)} or more"
     if fits is not None:
-        advice += f", or a context of at most {fits:,} tokens at this budget."
+        advice += f", or a context of at most {fits:,} tokens at this budget"
     else:
-        advice += (" (a smaller context does not help: even one token needs "
-                   f"{sz.format_bytes(minimum_budget(cfg, ts, 1, snapshots))}).")
+        one = minimum_budget(cfg, ts, 1, snapshots, lookahead=lookahead, ring_slots=ring_slots)
+        advice += (f" (a smaller context does not help: even one token needs "
+                   f"{sz.format_bytes(one)})")
+    if lookahead > 0:
+        without = minimum_budget(cfg, ts, context, snapshots, ring_slots=ring_slots)
+        advice += (f", or turn router lookahead off (lookahead 0 needs "
+                   f"{sz.format_bytes(without)} ({without:,} B))")
     lines = [
         f"memory plan refused: a budget of {sz.format_bytes(budget)} ({budget:,} B) cannot "
         f"hold the smallest plan for a context of {context:,} tokens, which needs "
         f"{sz.format_bytes(need)} ({need:,} B):",
         f"  floor {sz.format_bytes(floor.total)} ({parts});",
-        f"  {_trunk_text(ts, smallest)};",
+        f"  {_trunk_text(_layout(ts, lookahead), smallest, ring_slots)};",
         f"  expert cache {k} slots x {slot:,} B = {sz.format_bytes(k * slot)} (one layer's "
         f"top-{cfg.top_k} + {SPARE_EXPERT_SLOTS} spare).",
-        advice,
+        advice + ".",
     ]
     return PlanError("\n".join(lines), budget=budget, context=context, minimum=need,
                      max_context=fits)
@@ -615,10 +908,14 @@ def _check_machine(budget: int, context: int) -> int:
 
 def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
               budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
-              check_machine: bool = True, snapshots: int = DEFAULT_SNAPSHOTS) -> Plan:
+              check_machine: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
+              lookahead: int = 0, ring_slots: int = RING_SLOTS) -> Plan:
     """Split `budget_bytes` for `context` tokens; raise PlanError (with numbers) if it cannot.
 
-    `tensor_sizes` is a TensorSizes or a name -> bytes table of the checkpoint.
+    `tensor_sizes` is a TensorSizes or a name -> bytes table of the checkpoint. `lookahead`
+    is the engine's router lookahead (experts per token prefetched for the next layer): when
+    positive, every streamed MoE layer's router stays resident. `ring_slots` (>= 2) is the
+    engine's ring size when the trunk streams.
     """
     ts = (tensor_sizes if isinstance(tensor_sizes, TensorSizes)
           else sizes_from_table(cfg, tensor_sizes))
@@ -628,37 +925,52 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     if budget_bytes < 1:
         raise PlanError(f"budget must be positive, got {budget_bytes}", budget=budget_bytes,
                         context=context)
+    if lookahead < 0:
+        raise PlanError(f"lookahead must be 0 (off) or more experts, got {lookahead}",
+                        budget=budget_bytes, context=context)
+    _check_ring_slots(ring_slots, budget_bytes, context)
     machine_limit = _check_machine(budget_bytes, context) if check_machine else None
-    floor = _floor(cfg, ts, context, snapshots)
+    floors = {e: _floor(cfg, ts, context, snapshots, e) for e in (False, True)}
     slot = slot_bytes(ts.expert_bytes)
     k = _min_expert_slots(cfg, ts)
-    room = budget_bytes - floor.total - k * slot
+    lay = _layout(ts, lookahead)
     # Trunk first: the layout pinning the most bytes that fits beside the minimum cache.
-    trunk = next((t for t in _trunk_options(ts.layer_trunk)
-                  if t.cost(ts.layer_trunk) <= room), None)
+    trunk = next((t for t in _trunk_options(lay)
+                  if _need(cfg, ts, floors, t, ring_slots) <= budget_bytes), None)
     if trunk is None:
-        raise _refusal(cfg, ts, budget_bytes, context, snapshots, floor)
-    rest = budget_bytes - floor.total - trunk.cost(ts.layer_trunk)
+        raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots)
+    floor = floors[trunk.embed_stream]
+    rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
+    unit = trunk.ring_unit
+    unit_bytes, unit_tensors = lay.unit_raw[unit[0]][unit[1]] if unit else (0, 0)
     return Plan(
         budget=budget_bytes, context=context, prefill_chunk=PREFILL_CHUNK,
-        embed_bytes=floor.parts["embeddings"], lm_head_bytes=floor.parts["lm_head"],
-        model_other_bytes=floor.parts["output norms, fp32 vectors"],
+        embed_stream=trunk.embed_stream, embed_bytes=floor.parts["embeddings"],
+        embed_table_bytes=ts.embed, embed_row_bytes=embed_row_bytes(cfg, ts),
+        lm_head_bytes=floor.parts["lm_head"],
+        model_vector_bytes=floor.parts["output norms (fp32)"],
+        layer_vector_bytes=floor.parts["layer vectors (fp32)"],
         kda_state_bytes=floor.parts["KDA state"],
         snapshots=snapshots, snapshot_bytes=floor.parts["turn snapshots"],
         mla_cache_bytes=floor.parts["MLA latent cache"],
         mla_bytes_per_position=mla_bytes_per_position(cfg),
         work_bytes=floor.parts["work buffers"], staging_bytes=floor.parts["I/O staging"],
-        trunk_bytes=ts.trunk_total, trunk_resident=trunk.resident,
-        pinned_layers=trunk.pinned, pinned_bytes=sum(ts.layer_trunk[L] for L in trunk.pinned),
-        streamed_layers=trunk.streamed,
-        streamed_bytes=sum(ts.layer_trunk[L] for L in trunk.streamed),
-        ring_slots=0 if trunk.resident else RING_SLOTS,
-        ring_slot_bytes=0 if trunk.resident else trunk.ring_slot,
+        trunk_bytes=ts.trunk_total, trunk_matrix_bytes=sum(lay.matrices),
+        trunk_resident=trunk.resident, pinned_layers=trunk.pinned,
+        pinned_bytes=trunk.pinned_bytes, streamed_layers=trunk.streamed,
+        streamed_bytes=trunk.streamed_bytes, lookahead=lookahead,
+        router_bytes=trunk.router_bytes,
+        ring_slots=0 if trunk.resident else ring_slots,
+        ring_slot_bytes=trunk.ring_slot,
+        ring_unit=f"layer {unit[0]} {_UNIT_NAMES[unit[1]]}" if unit else "",
+        ring_unit_bytes=unit_bytes, ring_unit_tensors=unit_tensors,
         expert_bytes=ts.expert_bytes, expert_slot_bytes=slot, expert_slots=slots,
         expert_cache_bytes=slots * slot, min_expert_slots=k,
         experts_total=ts.n_experts_total, top_k=cfg.top_k, moe_layers=len(cfg.moe_layers),
         sizes_source=ts.source, machine_limit=machine_limit, layer_bytes=ts.layer_trunk,
+        open_peak_bytes=_open_peak(ts, floor, trunk),
+        layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.units,
     )
 
 
@@ -680,6 +992,16 @@ def _context_arg(text: str) -> int:
     return value
 
 
+def _lookahead_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of experts, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"lookahead must be 0 (off) or more, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="k3chat plan",
@@ -691,6 +1013,10 @@ def _parser() -> argparse.ArgumentParser:
                          "or auto (default)")
     ap.add_argument("--context", type=_context_arg, default=DEFAULT_CONTEXT,
                     help=f"tokens of context to size the session for (default {DEFAULT_CONTEXT})")
+    ap.add_argument("--lookahead", type=_lookahead_arg, default=0,
+                    help="router lookahead the engine will run with: experts per token "
+                         "prefetched for the next layer (default 0, off); when on, the "
+                         "routers of streamed layers stay resident")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -703,7 +1029,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--json OUT]`: 0 ok, 2 refused."""
+    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--json OUT]`:
+    0 ok, 2 refused."""
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help
@@ -715,7 +1042,8 @@ def main_plan(argv: Sequence[str]) -> int:
         ts = tensor_sizes_from_dir(args.model_dir, cfg)
         # `auto` is derived from the machine, so checking it against the machine is moot.
         plan = make_plan(cfg, ts, budget, args.context,
-                         check_machine=check and not sz.is_auto(args.memory))
+                         check_machine=check and not sz.is_auto(args.memory),
+                         lookahead=args.lookahead)
     except (sz.MemorySizeError, CheckpointError, PlanError, OSError) as exc:
         print(f"k3chat plan: {exc}", file=sys.stderr)
         if isinstance(exc, PlanError) and exc.machine_limit is not None:

@@ -1,7 +1,12 @@
 """`k3chat` command line: subcommands and their documented exit codes.
 
-Exit codes: 0 success; 1 runtime failure; 2 usage or config/checkpoint error;
-4 expert read failure; 5 interrupted (Ctrl-C or SIGTERM).
+Exit codes: 0 success (a chat answer cut at the token limit is still a success: it is saved,
+marked interrupted, and the limit is said); 1 runtime failure, including a malformed answer
+(saved, marked interrupted, the reason printed); 2 usage or config/checkpoint error, or a
+memory plan that cannot fit; 4 expert read failure; 5 interrupted (Ctrl-C or SIGTERM).
+
+To add a subcommand: an ``_add_NAME(sub)`` that declares it, a ``cmd_NAME(args) -> int``, and
+an entry in COMMANDS.
 """
 
 from __future__ import annotations
@@ -43,40 +48,131 @@ def _positive(text: str) -> int:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    r = sub.add_parser("run", help="one-shot generation on a model directory")
-    r.add_argument("model_dir", help="checkpoint directory (config.json, shards, index)")
-    r.add_argument("--ids", type=_ids, required=True,
-                   help="prompt as comma-separated token ids (no tokenizer needed)")
-    r.add_argument("--gen", type=_positive, default=16, help="tokens to generate (default 16)")
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="one-shot generation: a chat turn (--prompt) or raw ids (--ids)")
+    r.add_argument("model_dir", nargs="?", default=None,
+                   help="checkpoint directory (config.json, shards, index); default: `model` in config.toml")
+    what = r.add_mutually_exclusive_group(required=True)
+    what.add_argument("--ids", type=_ids, help="prompt as comma-separated token ids (no tokenizer, no chat format)")
+    what.add_argument("--prompt", help="a chat message; the answer is saved to the session")
+    what.add_argument("--resume", action="store_true",
+                      help="answer the unanswered last message of --session (after a crash)")
+    r.add_argument("--gen", type=_positive, default=None, help="--ids only: tokens to generate (default 16)")
+    r.add_argument("--system", help="system message (starts a new session)")
+    think = r.add_mutually_exclusive_group()
+    think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
+                       help="reasoning effort (default max, or config.toml)")
+    think.add_argument("--no-think", action="store_true", help="answer without reasoning")
+    # Sampler values are checked by settings.merge_cli, which names the option in its message.
+    r.add_argument("--temperature", metavar="X", help="sampling temperature (> 0); implies sampling")
+    r.add_argument("--top-p", metavar="P", help="nucleus mass (0 < P <= 1); implies sampling")
+    r.add_argument("--top-k", metavar="K", help="keep the K likeliest ids (0 = off); implies sampling")
+    r.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
+    r.add_argument("--session", metavar="NAME", help="continue this session (id or name); created if new")
+    r.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
+    r.add_argument("--context", type=_positive, default=None, metavar="N",
+                   help="context limit in positions (default: the model's)")
     r.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
     r.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
     r.add_argument("--scalar", action="store_true", help="force the portable scalar kernels")
-    f = sub.add_parser("fixture", help="write a test checkpoint (presets: tiny, wide)")
-    f.add_argument("args", nargs=argparse.REMAINDER)
+    r.add_argument("--memory", metavar="X", default=None,
+                   help="memory budget: 12G, a preset (small, medium, large, huge), auto, or all "
+                        "(every weight resident, no plan); default: config.toml, else auto")
+    r.add_argument("--lookahead", type=int, default=None, metavar="N",
+                   help="experts per token prefetched for the next layer (default: top-k; 0 = off)")
+
+
+def _add_sessions(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("sessions", help="list, show, export, rename or delete saved conversations")
+    ss = s.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ls = ss.add_parser("list", help="all sessions, most recent first")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    show = ss.add_parser("show", help="print a session as Markdown")
+    show.add_argument("session", help="session id or name")
+    ex = ss.add_parser("export", help="write a session as Markdown, JSON or peer JSONL")
+    ex.add_argument("session", help="session id or name")
+    ex.add_argument("--format", choices=("md", "json", "jsonl"), default="md",
+                    help="md (default), json (everything, metadata included) or jsonl (kimi-k3-in-c --history)")
+    ex.add_argument("-o", "--output", help="file to write (private, 0600); default: standard output")
+    rn = ss.add_parser("rename", help="rename a session")
+    rn.add_argument("session", help="session id or name")
+    rn.add_argument("name", help="the new name")
+    rm = ss.add_parser("rm", help="delete a session and its saved engine state")
+    rm.add_argument("session", help="session id or name")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_sessions(sub)
+    helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
+             "plan": "print the memory plan for a model and budget, before loading anything",
+             "doctor": "this machine: CPU, memory, disk and its direct-I/O read bandwidth",
+             "bench": "measure streaming speed on a checkpoint with the real expert size"}
+    for name, text in helps.items():
+        sub.add_parser(name, help=text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
+# One function per subcommand; each returns the exit code.
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .chat_cli import run_chat, usage_error
+    if args.ids is None:
+        return run_chat(args)
+    chat_only = {"--system": args.system, "--session": args.session, "--temperature": args.temperature,
+                 "--top-p": args.top_p, "--top-k": args.top_k, "--seed": args.seed,
+                 "--max-tokens": args.max_tokens, "--thinking-effort": args.thinking_effort,
+                 "--no-think": args.no_think or None, "--context": args.context}
+    given = [name for name, value in chat_only.items() if value is not None]
+    if given:
+        return usage_error(f"{', '.join(given)} need --prompt (--ids runs raw ids, greedy; use --gen for its length)")
+    if args.model_dir is None:
+        from .chat_cli import default_model_dir
+        model_dir = default_model_dir()
+        if isinstance(model_dir, int):
+            return model_dir
+        args.model_dir = str(model_dir)
+    if args.gen is None:
+        args.gen = 16
+    from .run_ids import run_ids
+    return run_ids(args)
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from .chat_cli import sessions_main
+    return sessions_main(args)
+
+
+COMMANDS = {"run": cmd_run, "sessions": cmd_sessions}
+
+
+def _passthrough() -> dict[str, str]:
+    """Subcommands with their own parsers: name -> 'module:function' taking argv."""
+    return {"fixture": "k3engine.fixture:main", "plan": "k3engine.planner:main_plan",
+            "doctor": "k3engine.doctor:main_doctor", "bench": "k3engine.bench:main_bench"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import importlib
+
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if args_list and args_list[0] == "fixture":
-        from k3engine.fixture import main as fixture_main
-        return fixture_main(args_list[1:])
+    if args_list and args_list[0] in _passthrough():
+        module, fn = _passthrough()[args_list[0]].split(":")
+        return int(getattr(importlib.import_module(module), fn)(args_list[1:]))
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help
         return int(exc.code or 0)
-    if args.command is None:
+    handler = COMMANDS.get(args.command)
+    if handler is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    if args.command == "run":
-        from .run_ids import run_ids
-        return run_ids(args)
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
+    return handler(args)
 
 
 if __name__ == "__main__":

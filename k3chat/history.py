@@ -245,6 +245,11 @@ def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
         parsed.model = model if isinstance(model, str) else None
     elif kind == "rename" and isinstance(obj.get("name"), str):
         parsed.name = obj["name"]
+    elif kind == "truncate" and _is_count(obj.get("records")):
+        # Regenerate / edit-last: later records are superseded. They stay in the file (it is
+        # only ever appended to) but are no longer part of the conversation.
+        del parsed.records[obj["records"]:]
+        parsed.last_role = parsed.records[-1]["role"] if parsed.records else None
     else:
         parsed.problems.append(f"line {number}: unexpected store line {kind!r}, skipped")
 
@@ -391,6 +396,24 @@ class HistoryStore:
         self._append_line(session_id, _encode_line(meta), meta)
         return self.info(session_id)
 
+    def truncate(self, session_id: str, n_records: int) -> LoadedSession:
+        """Keep only the first ``n_records`` records (regenerate, edit the last message).
+
+        Appended as a store line like a rename: the superseded records stay in the file,
+        so nothing is lost, but load() no longer returns them. Returns the session as loaded
+        afterwards.
+        """
+        _check_id(session_id)
+        if not _is_count(n_records):
+            raise HistoryError(f"truncate needs a record count >= 0, got {n_records!r}")
+        current = len(self.load(session_id).records)
+        if n_records > current:
+            raise HistoryError(f"session {session_id!r} has {current} records, cannot keep {n_records}")
+        if n_records < current:
+            meta = {META_KEY: "truncate", "records": n_records, "time": time.time()}
+            self._append_line(session_id, _encode_line(meta), meta)
+        return self.load(session_id)
+
     def delete(self, session_id: str) -> None:
         """Remove the session file and its index entry.
 
@@ -471,7 +494,10 @@ class HistoryStore:
                 line = b"\n" + line
             self._write_durably(fd, path, line, st.st_size)
             size = st.st_size + len(line)
-            self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True)
+            if obj.get(META_KEY) == "truncate":
+                self._tails.pop(session_id, None)  # the last role changed: re-read when needed
+            else:
+                self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True)
             try:
                 self._update_index_after_append(session_id, st, size, obj)
             except OSError as exc:
@@ -646,6 +672,9 @@ def _advance_entry(entry: dict[str, Any], size: int, obj: Mapping[str, Any]) -> 
     entry["updated"] = time.time()
     if obj.get(META_KEY) == "rename":
         entry["name"] = obj["name"]
+        return
+    if obj.get(META_KEY) == "truncate":
+        entry["n_messages"] = min(entry["n_messages"], obj["records"])
         return
     entry["n_messages"] += 1
     if isinstance(obj.get("model"), str):

@@ -52,6 +52,17 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+def _token_row(seconds: float, d: dict[str, int]) -> dict[str, Any]:
+    """One decode step's figures: time, bytes read, cache behaviour, I/O wait vs compute."""
+    io = d["io_wait_ns"] / 1e9
+    return {"seconds": seconds, "trunk_bytes_read": d["trunk_bytes_read"],
+            "expert_bytes_read": d["expert_bytes_read"], "cache_hits": d["cache_hits"],
+            "cache_misses": d["cache_misses"], "cache_evictions": d["cache_evictions"],
+            "lookahead_issued": d["lookahead_issued"], "lookahead_used": d["lookahead_used"],
+            "lookahead_wasted": d["lookahead_wasted"], "io_wait_seconds": io,
+            "compute_seconds": max(0.0, seconds - io), "peak_rss_bytes": d["peak_rss_bytes"]}
+
+
 def _write_json(path: str, payload: dict[str, Any]) -> None:
     tmp = Path(path).with_name(Path(path).name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -62,12 +73,24 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def run_ids(args: argparse.Namespace) -> int:
+    from k3engine.budgeted import open_budgeted
     from k3engine.errors import CheckpointError
-    from k3engine.model import EngineError, ExpertReadError, Model
+    from k3engine.model import EngineError, ExpertReadError, stats_delta
+    from k3engine.planner import PlanError
+    from k3engine.sizes import MemorySizeError
 
     threads = args.threads or os.cpu_count() or 1
+    memory = args.memory or "auto"
     try:
-        model = Model(args.model_dir, threads=min(threads, 64), scalar=args.scalar)
+        opened = open_budgeted(args.model_dir, memory=memory, context=len(args.ids) + args.gen,
+                               lookahead=args.lookahead, threads=min(threads, 64), scalar=args.scalar)
+        model = opened.model
+    except (PlanError, MemorySizeError) as exc:
+        print(f"k3chat: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
+        print(f"k3chat: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except CheckpointError as exc:
         print(f"k3chat: cannot open {args.model_dir}:\n{exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -82,6 +105,9 @@ def run_ids(args: argparse.Namespace) -> int:
         print(f"k3chat: --ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})", file=sys.stderr)
         return EXIT_USAGE
     generated: list[int] = []
+    per_token: list[dict[str, Any]] = []
+    prefill_stats: dict[str, int] = {}
+    prefill_s = 0.0
     logits_first: list[float] = []
     step_seconds: list[float] = []
     interrupted = False
@@ -91,8 +117,10 @@ def run_ids(args: argparse.Namespace) -> int:
         try:
             session = model.session(len(args.ids) + args.gen)
             t0 = time.perf_counter()
+            before = model.stats()
             logits = session.feed(args.ids)
             prefill_s = time.perf_counter() - t0
+            prefill_stats = stats_delta(before, model.stats())
             logits_first = [float(x) for x in logits]
             for step in range(args.gen):
                 tok = greedy(logits)
@@ -103,8 +131,10 @@ def run_ids(args: argparse.Namespace) -> int:
                 if step + 1 == args.gen:
                     break
                 t = time.perf_counter()
+                before = model.stats()
                 logits = session.feed([tok])
                 step_seconds.append(time.perf_counter() - t)
+                per_token.append(_token_row(step_seconds[-1], stats_delta(before, model.stats())))
         except ExpertReadError as exc:
             error, code = str(exc), EXIT_EXPERT_IO
         except (EngineError, FloatingPointError, MemoryError) as exc:
@@ -122,6 +152,11 @@ def run_ids(args: argparse.Namespace) -> int:
         "threads": threads,
         "simd": model.simd_active,
         "stats": model.stats(),
+        "prefill_stats": prefill_stats,
+        "per_token": per_token,
+        "memory": memory,
+        "plan": opened.plan.to_dict() if opened.plan is not None else None,
+        "lookahead": opened.options.lookahead,
     }
     if args.json_out:
         try:

@@ -43,7 +43,7 @@ from k3chat import paths
 EFFORTS = ("low", "high", "max")
 REASONING_DISPLAYS = ("expanded", "auto", "hidden")
 # Named memory budgets. The planner (design 2.3) owns what they mean; keep the names in step.
-MEMORY_PRESETS = ("small", "medium", "large")
+MEMORY_PRESETS = ("small", "medium", "large", "huge")
 _MEMORY_SIZE_RE = re.compile(r"(?i)([0-9]+(?:\.[0-9]+)?)\s*([KMGT])(?:I?B)?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 _ACTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -128,15 +128,20 @@ def _model(value: object) -> Path:
 
 
 def _memory(value: object) -> str:
+    from k3engine.sizes import MemorySizeError, parse_memory
+
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         raise ValueError(f'needs a unit, as a string such as "{value}G"')
     text = _string(value).strip()
-    if text.lower() == "auto" or text.lower() in MEMORY_PRESETS:
-        return text.lower()
-    match = _MEMORY_SIZE_RE.fullmatch(text)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f'must be a size such as "12G", "auto", or one of {", ".join(MEMORY_PRESETS)}; got {value!r}')
-    return text
+    if text.lower() == "all":  # every weight resident, no plan
+        return "all"
+    if text.isdigit():  # a bare number is almost surely a missing unit, not bytes
+        raise ValueError(f'needs a unit, such as "{text}G"')
+    try:
+        parse_memory(text)  # one parser for budgets: the planner's
+    except MemorySizeError as exc:
+        raise ValueError(str(exc)) from None
+    return text.lower() if text.lower() == "auto" or text.lower() in MEMORY_PRESETS else text
 
 
 def _temperature(value: object) -> float:

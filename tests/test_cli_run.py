@@ -95,3 +95,54 @@ def test_sigint_finishes_step_and_exits_5(tiny_dir: Path, tmp_path: Path) -> Non
     res = json.loads(out.read_text())
     assert res["interrupted"] is True
     assert 0 < len(res["generated_ids"]) < 200000
+
+
+def test_run_under_a_memory_budget_streams_and_reports_per_token(tiny_dir: Path, tiny_oracle: dict[str, np.ndarray],
+                                                                tmp_path: Path) -> None:
+    from k3engine.planner import make_plan, tensor_sizes_from_dir
+    from k3engine.config import load_config
+
+    cfg = load_config(tiny_dir)
+    ts = tensor_sizes_from_dir(tiny_dir, cfg)
+    # the smallest budget that plans: streams the trunk and caches few experts
+    budget = next(b for b in range(200_000, 50_000_000, 20_000)
+                  if _plans(cfg, ts, b, make_plan))
+    prompt = [int(x) for x in tiny_oracle["prompt_ids"]]
+    out = tmp_path / "m.json"
+    r = k3chat("run", str(tiny_dir), "--ids", ",".join(map(str, prompt)), "--gen", "8",
+               "--memory", str(budget), "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["generated_ids"] == [int(x) for x in tiny_oracle["full_ids"][12:20]]
+    assert res["plan"]["trunk_resident"] is False and res["plan"]["total"] <= budget
+    assert len(res["per_token"]) == 7
+    row = res["per_token"][0]
+    assert row["trunk_bytes_read"] > 0  # the trunk streamed for this token
+    assert set(row) >= {"expert_bytes_read", "cache_hits", "cache_misses", "io_wait_seconds",
+                        "compute_seconds", "peak_rss_bytes", "lookahead_used"}
+    assert res["stats"]["trunk_stream_reads"] > 0
+
+
+def _plans(cfg, ts, budget, make_plan) -> bool:  # type: ignore[no-untyped-def]
+    from k3engine.planner import PlanError
+    try:
+        make_plan(cfg, ts, budget, 20, check_machine=False, lookahead=cfg.top_k)
+        return True
+    except PlanError:
+        return False
+
+
+def test_run_with_a_budget_too_small_is_refused_with_numbers(tiny_dir: Path) -> None:
+    r = k3chat("run", str(tiny_dir), "--ids", "1,2", "--memory", "100K")
+    assert r.returncode == 2
+    assert "refused" in r.stderr and "What to do" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["plan", "{dir}", "--memory", "1G"], ["doctor", "--size-mb", "64", "--seconds", "0.2"]])
+def test_plan_and_doctor_subcommands(tiny_dir: Path, tmp_path: Path, cmd: list[str]) -> None:
+    args = [a.format(dir=tiny_dir) for a in cmd]
+    if cmd[0] == "doctor":
+        args += ["--dir", str(tmp_path)]
+    r = k3chat(*args)
+    assert r.returncode == 0, r.stderr
+    assert ("memory plan" in r.stdout) if cmd[0] == "plan" else ("GB/s" in r.stdout)

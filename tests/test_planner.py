@@ -1,13 +1,17 @@
 """Memory planner (design 2.3) on the real Kimi K3 config and index, and on the tiny fixture.
 
-The K3 numbers asserted here come from the spec (k3-model.md sections 6 and 7), not from the
-planner, so a wrong tensor table, dtype guess or state formula fails these tests.
+The K3 numbers asserted here come from the spec (k3-model.md sections 3.3, 6 and 7), not from
+the planner, so a wrong tensor table, dtype guess, unit split or state formula fails these
+tests. The tiny fixture checks the plan against the C engine itself: the options a plan gives
+open a model that streams, and the ring bound covers the engine's real unit layout.
 """
 from __future__ import annotations
 
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +31,33 @@ K3_LAYER0, K3_KDA_MOE, K3_MLA_MOE = 2_341_212_928, 1_267_742_208, 844_333_824
 K3_EXPERT = 17_547_264
 K3_KDA_STATE = 464_633_856
 K3_MLA_PER_POSITION = 55_296
+# Streaming units from the shapes of spec 3.3 (BF16 matrices, 2 B per element).
+E, P, D = 7168, 12288, 128
+K3_KDA_ATTN = (4 * P * E + E * P + D * E + P * D + 96 * E) * 2  # q k v g, o, f_a, f_b, b
+K3_MLA_ATTN = (1536 * E + 18432 * 1536 + 576 * E + 24576 * 512 + P * E + E * P) * 2
+K3_DENSE_FFN = 3 * 33792 * E * 2  # layer 0: gate, up, down
+K3_ROUTER = 896 * E * 2
+K3_MOE_FFN = K3_ROUTER + (2 * 3584 * E + 3 * 6144 * E) * 2  # router, latent down/up, shared
+K3_ROW = E * 2  # one embedding row
+# Small vectors, held as fp32 for every layer: 4 norms + 2 AttnRes [1, E] per layer; KDA
+# conv x3, dt_bias, A_log (128, padded), o_norm; MLA q_a / kv_a norms; MoE bias, latent norm.
+K3_VECTORS_FP32 = 4 * (93 * 6 * E + 69 * (3 * P * 4 + P + 128 + D) + 24 * (1536 + 512)
+                       + 92 * (896 + 3584))
+# ... and as stored (conv, dt_bias, A_log F32, the rest BF16): the trunk minus its matrices.
+K3_VECTORS_STORED = (93 * 6 * E * 2 + 69 * (3 * P * 4 * 4 + P * 4 + 128 * 4 + D * 2)
+                     + 24 * (1536 + 512) * 2 + 92 * (896 + 3584) * 2)
+
+
+def page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def ring_bound(nbytes: int, tensors: int) -> int:
+    """Spec bound for a ring slot: unit bytes + 64 B per tensor, whole pages."""
+    return page(nbytes + 64 * tensors)
+
+
+EXPERT_SLOT = page(K3_EXPERT + 2 * 4096)  # the C store's cap
 
 
 @pytest.fixture(scope="module")
@@ -59,28 +90,43 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch):
 
 def check_invariants(plan: pl.Plan) -> None:
     """What every plan must satisfy, whatever the budget."""
-    assert plan.total <= plan.budget
-    assert plan.total == (plan.floor_bytes + plan.pinned_bytes
+    assert plan.total <= plan.budget and plan.open_peak_bytes <= plan.budget
+    assert plan.total == (plan.floor_bytes + plan.pinned_bytes + plan.router_bytes
                           + plan.ring_slots * plan.ring_slot_bytes + plan.expert_cache_bytes)
     layers = set(plan.pinned_layers) | set(plan.streamed_layers)
     assert layers == set(range(len(plan.layer_bytes)))
     assert not set(plan.pinned_layers) & set(plan.streamed_layers)
-    assert plan.pinned_bytes + plan.streamed_bytes == plan.trunk_bytes
+    assert plan.pinned_bytes == sum(plan.layer_matrix_bytes[L] for L in plan.pinned_layers)
+    assert plan.pinned_bytes + plan.streamed_bytes + plan.router_bytes == plan.trunk_matrix_bytes
     assert plan.expert_slots >= plan.min_expert_slots
     assert plan.expert_cache_bytes == plan.expert_slots * plan.expert_slot_bytes
-    assert plan.expert_slot_bytes >= plan.expert_bytes
+    assert plan.expert_slot_bytes >= plan.expert_bytes + 2 * 4096
     if plan.trunk_resident:
-        assert not plan.streamed_layers and plan.ring_slots == 0
+        assert not plan.streamed_layers and plan.ring_slots == 0 and plan.router_bytes == 0
     else:
         assert plan.streamed_layers and plan.ring_slots >= 2
-        biggest_streamed = max(plan.layer_bytes[L] for L in plan.streamed_layers)
-        assert plan.ring_slot_bytes >= biggest_streamed
+        assert plan.embed_stream and plan.embed_bytes == plan.embed_row_bytes
+        # the ring holds the largest streamed unit (attention or FFN), not a whole layer
+        biggest_unit = max(max(plan.layer_unit_slots[L]) for L in plan.streamed_layers)
+        assert plan.ring_slot_bytes == biggest_unit
+        assert plan.ring_slot_bytes >= plan.ring_unit_bytes + 64 * plan.ring_unit_tensors
         # "largest layers pinned": nothing streamed is bigger than anything pinned
         if plan.pinned_layers:
-            assert min(plan.layer_bytes[L] for L in plan.pinned_layers) >= biggest_streamed
+            assert (min(plan.layer_matrix_bytes[L] for L in plan.pinned_layers)
+                    >= max(plan.layer_matrix_bytes[L] for L in plan.streamed_layers))
+    if not plan.embed_stream:
+        assert plan.trunk_resident and plan.embed_bytes == plan.embed_table_bytes
     # Leftover never holds a whole further slot unless every expert already has one.
     if plan.expert_slots < plan.experts_total:
         assert plan.budget - plan.total < plan.expert_slot_bytes
+    # The engine options say the same thing.
+    opts = plan.engine_options()
+    assert opts["expert_cache_bytes"] == plan.expert_cache_bytes
+    assert opts["trunk_stream"] is (not plan.trunk_resident)
+    assert opts["embed_stream"] is plan.embed_stream and opts["lookahead"] == plan.lookahead
+    assert opts["pinned"] == plan.pinned_layers
+    if not plan.trunk_resident:
+        assert opts["ring_slots"] == plan.ring_slots
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,6 +145,18 @@ def test_k3_sizes_match_the_spec(k3) -> None:
     assert ts.expert_bytes == K3_EXPERT and ts.n_experts_total == 92 * 896
     assert pl.kda_state_bytes(cfg) == K3_KDA_STATE
     assert pl.mla_bytes_per_position(cfg) == K3_MLA_PER_POSITION
+    # the units the engine streams
+    assert (ts.layer_attn[0], ts.layer_attn_count[0]) == (K3_KDA_ATTN, 8)
+    assert (ts.layer_ffn[0], ts.layer_ffn_count[0], ts.layer_router[0]) == (K3_DENSE_FFN, 3, 0)
+    assert K3_DENSE_FFN == 1_453_326_336
+    for L in range(1, 93):
+        mla = cfg.is_mla(L)
+        assert (ts.layer_attn[L], ts.layer_attn_count[L]) == ((K3_MLA_ATTN, 6) if mla
+                                                              else (K3_KDA_ATTN, 8))
+        assert (ts.layer_ffn[L], ts.layer_ffn_count[L]) == (K3_MOE_FFN, 6)
+        assert ts.layer_router[L] == K3_ROUTER
+    assert sum(ts.layer_vectors) + ts.model_vectors == K3_VECTORS_FP32 + 4 * 3 * E
+    assert K3_TRUNK - sum(ts.layer_matrices(L) for L in range(93)) == K3_VECTORS_STORED
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,44 +164,115 @@ def test_k3_sizes_match_the_spec(k3) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def test_k3_8g_is_refused_with_the_numbers(k3) -> None:
-    """8 GiB cannot hold K3 under the design rules, whatever the context.
+def k3_floor(context: int, embed: int) -> int:
+    """The floor from spec numbers, without the planner's work-buffer and staging estimate."""
+    return (K3_EMBED_LM_HEAD // 2 + embed + K3_VECTORS_FP32 + 4 * 3 * E + 2 * K3_KDA_STATE
+            + context * K3_MLA_PER_POSITION)
 
-    Smallest plan at 8,192 tokens: floor = embeddings + lm_head 4.70 GB + KDA state 0.46 GB
-    + one turn snapshot 0.46 GB + MLA cache 8,192 x 55,296 B = 0.45 GB + work and staging
-    ~0.06 GB = 6.15 GB; trunk = everything streamed through 2 ring slots sized for layer 0
-    (2.34 GB each, 4.68 GB; pinning layer 0 instead costs 2.34 + 2 x 1.27 = 4.88 GB); expert
-    cache = 17 slots x 17.56 MB = 0.30 GB. Total 11.13 GB > 8.59 GB. Even with one token of
-    context and no snapshot: 4.70 + 0.46 + 4.68 + 0.30 + ~0.03 = 10.2 GB.
+
+def test_k3_8g_fits_streaming_units(k3) -> None:
+    """8 GiB now holds K3: no embedding table, ring slots for one unit, not one layer.
+
+    Floor at 8,192 tokens without the table: lm_head 2.35 GB + KDA state and one snapshot
+    0.93 GB + MLA cache 0.45 GB + fp32 vectors 0.06 GB + work and staging 0.06 GB = 3.86 GB
+    (3.59 GiB). Streaming all 93 layers would need ring slots for layer 0's dense FFN
+    (1.45 GB each); pinning layer 0 (2.34 GB) lets the slots shrink to a KDA attention unit
+    (0.89 GB each), and 8 GiB has room for that: 3.86 + 2.34 + 1.77 = 7.97 GB, leaving
+    35 expert slots (0.61 GB).
     """
     cfg, ts = k3
-    budget = sz.parse_memory("8G")
+    budget = sz.parse_memory("small")
+    plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
+    check_invariants(plan)
+    assert plan.embed_stream and plan.embed_bytes == K3_ROW
+    assert plan.pinned_layers == (0,) and plan.pinned_bytes == K3_KDA_ATTN + K3_DENSE_FFN
+    assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
+    assert plan.ring_unit == "layer 1 attention"
+    assert plan.streamed_bytes == 68 * (K3_KDA_ATTN + K3_MOE_FFN) + 24 * (K3_MLA_ATTN + K3_MOE_FFN)
+    floor = k3_floor(8192, embed=K3_ROW)
+    assert 0 < plan.floor_bytes - floor < 64 * sz.MiB  # work buffers + staging
+    held = plan.floor_bytes + plan.pinned_bytes + 2 * ring_bound(K3_KDA_ATTN, 8)
+    assert plan.expert_slot_bytes == EXPERT_SLOT
+    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 35
+    assert plan.cold_read_per_token == plan.streamed_bytes + 92 * 16 * K3_EXPERT + K3_ROW
+    opts = plan.stream_options()
+    assert (opts.trunk_stream, opts.ring_slots, opts.pinned) == (True, 2, (0,))
+    assert opts.embed_stream
+    assert opts.expert_cache_bytes == 35 * EXPERT_SLOT and opts.lookahead == 0
+    assert (opts.direct_io, opts.prefetch, opts.reader_threads) == (True, True, 8)
+    table = plan.table()
+    for text in ("streamed: one row of 14,336 B", "pinned: 1 layers", "layer 1 attention",
+                 f"{K3_KDA_ATTN:,} B in 8 tensors", "embed_stream=True"):
+        assert text in table, text
+
+
+def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
+    """The smallest K3 plan streams every layer through slots sized for layer 0's FFN unit.
+
+    6.58 GiB at 8,192 tokens: floor 3.59 + ring 2 x 1.35 + 17 expert slots 0.28. 6 GiB is
+    refused, whatever the context (one token needs 6.15 GiB).
+    """
+    cfg, ts = k3
+    need = pl.minimum_budget(cfg, ts, 8192)
+    plan = pl.make_plan(cfg, ts, need, 8192, check_machine=False)
+    check_invariants(plan)
+    assert plan.pinned_layers == () and plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
+    assert plan.expert_slots == 17 and plan.ring_unit == "layer 0 FFN"
+    assert need == plan.floor_bytes + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
+    with pytest.raises(pl.PlanError):
+        pl.make_plan(cfg, ts, need - 1, 8192, check_machine=False)
+    budget = sz.parse_memory("6G")
     with pytest.raises(pl.PlanError) as info:
         pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     err = info.value
-    ring_slot = pl.slot_bytes(K3_LAYER0)
-    floor = (K3_EMBED_LM_HEAD + 2 * K3_KDA_STATE + 8192 * K3_MLA_PER_POSITION)
-    slots = 17 * pl.slot_bytes(K3_EXPERT)
-    assert err.minimum is not None and err.minimum > budget
-    assert err.minimum >= floor + 2 * ring_slot + slots
-    assert err.minimum - (floor + 2 * ring_slot + slots) < 128 * sz.MiB  # work + staging + vectors
-    assert err.max_context is None  # no context fits
+    assert err.minimum == need and err.max_context is None
     msg = str(err)
-    for text in (f"{budget:,} B", f"{err.minimum:,} B", "layer 0", f"{K3_LAYER0:,} B",
-                 "17 slots", "What to do", "--memory 11G", "smaller context does not help"):
+    for text in (f"{budget:,} B", f"{need:,} B", "layer 0's FFN matrices",
+                 f"{K3_DENSE_FFN:,} B in 3 tensors", f"{ring_bound(K3_DENSE_FFN, 3):,} B",
+                 "17 slots", "embedding rows read per token", "What to do", "--memory 7G",
+                 "smaller context does not help"):
         assert text in msg, text
     with pytest.raises(pl.PlanError):
-        pl.make_plan(cfg, ts, budget, 1, check_machine=False, snapshots=0)
+        pl.make_plan(cfg, ts, budget, 1, check_machine=False)
+    # without the turn snapshot (0.43 GiB) one token of context would fit
+    check_invariants(pl.make_plan(cfg, ts, budget, 1, check_machine=False, snapshots=0))
+
+
+def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
+    cfg, ts = k3
+    budget = sz.parse_memory("8G")
+    plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False, lookahead=8)
+    check_invariants(plan)
+    # 92 routers (1.18 GB) no longer leave room to pin layer 0
+    assert plan.pinned_layers == () and plan.router_bytes == 92 * K3_ROUTER
+    assert plan.streamed_bytes == plan.trunk_matrix_bytes - 92 * K3_ROUTER
+    assert plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
+    assert plan.layer_unit_slots[1] == (ring_bound(K3_KDA_ATTN, 8),
+                                        ring_bound(K3_MOE_FFN - K3_ROUTER, 5))
+    assert plan.stream_options().lookahead == 8
+    assert "routers (lookahead)" in plan.table()
+    base = pl.minimum_budget(cfg, ts, 8192)
+    assert pl.minimum_budget(cfg, ts, 8192, lookahead=8) == base + 92 * K3_ROUTER
+    with pytest.raises(pl.PlanError) as info:
+        pl.make_plan(cfg, ts, base + K3_ROUTER, 8192, check_machine=False, lookahead=4)
+    msg = str(info.value)
+    assert "routers of 92 streamed MoE layers" in msg and "turn router lookahead off" in msg
+    assert f"{base:,} B" in msg
+    # pinned layers hold their routers anyway: at 64G fewer are counted twice
+    big = pl.make_plan(cfg, ts, sz.parse_memory("64G"), 8192, check_machine=False, lookahead=8)
+    check_invariants(big)
+    assert big.router_bytes == K3_ROUTER * sum(1 for L in big.streamed_layers if L > 0)
 
 
 def test_k3_16g_pins_layer0_first_and_streams_the_rest(k3) -> None:
     cfg, ts = k3
     plan = pl.make_plan(cfg, ts, sz.parse_memory("medium"), 8192, check_machine=False)
     check_invariants(plan)
-    assert not plan.trunk_resident
+    assert not plan.trunk_resident and plan.embed_stream
     assert 0 in plan.pinned_layers  # the biggest layer goes first (it also shrinks the ring)
-    assert plan.ring_slots == 2 and plan.ring_slot_bytes == pl.slot_bytes(K3_KDA_MOE)
+    assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
     assert plan.expert_slots >= 17
+    assert plan.pinned_layers == (0, 1, 2, 4, 5, 6, 8, 9)  # KDA layers before MLA layers
     _assert_trunk_first(plan)
 
 
@@ -163,24 +292,46 @@ def test_k3_256g_trunk_resident_rest_is_expert_cache(k3) -> None:
     budget = sz.parse_memory("256G")
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
-    assert plan.trunk_resident and plan.pinned_bytes == K3_TRUNK
-    rest = budget - plan.floor_bytes - K3_TRUNK
-    assert plan.expert_slots == rest // pl.slot_bytes(K3_EXPERT)
+    assert plan.trunk_resident and plan.pinned_bytes == K3_TRUNK - K3_VECTORS_STORED
+    assert not plan.embed_stream and plan.embed_bytes == K3_EMBED_LM_HEAD // 2
+    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_EMBED_LM_HEAD // 2) < 64 * sz.MiB
+    rest = budget - plan.floor_bytes - plan.pinned_bytes
+    assert plan.expert_slots == rest // EXPERT_SLOT
     assert plan.expert_slots > 8000
+    opts = plan.stream_options()
+    assert not opts.trunk_stream and not opts.embed_stream
+    assert opts.expert_cache_bytes == plan.expert_slots * EXPERT_SLOT
     table = plan.table()
     for text in ("embeddings", "lm_head", "KDA state", "MLA latent cache", "work buffers",
                  "prefill chunk of 64", "I/O staging", "resident (all layers)", "expert cache",
-                 f"{K3_TRUNK:,} B"):
+                 f"{K3_TRUNK:,} B", "resident table", "peak while opening"):
         assert text in table, text
+
+
+def test_k3_open_peak_decides_the_embedding_table(k3) -> None:
+    """Near the resident threshold the engine's open peak binds: it reads lm_head into a
+    buffer and copies it (2 x 2.35 GB) before the ring, expert slots or session exist."""
+    cfg, ts = k3
+    matrices = K3_TRUNK - K3_VECTORS_STORED
+    head = K3_EMBED_LM_HEAD // 2
+    peak_with_table = K3_VECTORS_FP32 + 4 * 3 * E + 8 * sz.MiB + matrices + head + 2 * head
+    held_with_table = k3_floor(8192, head) + matrices + 17 * EXPERT_SLOT
+    assert peak_with_table > held_with_table + 64 * sz.MiB  # the peak is what binds
+    below = pl.make_plan(cfg, ts, peak_with_table - 1, 8192, check_machine=False)
+    check_invariants(below)
+    assert below.trunk_resident and below.embed_stream  # resident, rows read per token
+    at = pl.make_plan(cfg, ts, peak_with_table, 8192, check_machine=False)
+    check_invariants(at)
+    assert at.trunk_resident and not at.embed_stream and at.open_peak_bytes == peak_with_table
 
 
 def _assert_trunk_first(plan: pl.Plan) -> None:
     """Pinning one more layer would not fit beside the minimum expert cache."""
     room = plan.budget - plan.floor_bytes - plan.min_expert_slots * plan.expert_slot_bytes
-    streamed = sorted(plan.streamed_layers, key=lambda L: -plan.layer_bytes[L])
-    pinned = plan.pinned_bytes + plan.layer_bytes[streamed[0]]
+    streamed = sorted(plan.streamed_layers, key=lambda L: (-plan.layer_matrix_bytes[L], L))
+    pinned = plan.pinned_bytes + plan.layer_matrix_bytes[streamed[0]]
     rest = streamed[1:]
-    ring = 2 * pl.slot_bytes(plan.layer_bytes[rest[0]]) if rest else 0
+    ring = 2 * max(max(plan.layer_unit_slots[L]) for L in rest) if rest else 0
     assert pinned + ring > room
 
 
@@ -354,6 +505,24 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
     data = json.loads(out.read_text())
     assert data["ok"] and data["plan"]["total"] <= 64 * sz.MiB
     assert data["plan"]["context"] == 2048 and data["plan"]["trunk_resident"] is True
+    assert data["plan"]["embed_stream"] is False
+    # A budget that forces streaming: embedding rows and the lookahead in table and JSON.
+    cfg = load_config(tiny)
+    budget = pl.minimum_budget(cfg, pl.tensor_sizes_from_dir(tiny, cfg), 2048, lookahead=2)
+    argv = [str(tiny), "--memory", str(budget), "--context", "2048", "--lookahead", "2",
+            "--json", str(out)]
+    assert pl.main_plan(argv) == 0
+    text = capsys.readouterr().out
+    for part in ("streamed: one row of 256 B read per token", "ring: 2 slots",
+                 "routers (lookahead)", "embed_stream=True", "lookahead=2"):
+        assert part in text, part
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["embed_stream"] is True and plan["lookahead"] == 2 and plan["total"] <= budget
+    assert plan["engine_options"] == {
+        "expert_cache_bytes": plan["expert_slots"] * plan["expert_slot_bytes"],
+        "reader_threads": 8, "direct_io": True, "lookahead": 2, "prefetch": True,
+        "trunk_stream": True, "ring_slots": 2, "pinned": plan["pinned_layers"],
+        "embed_stream": True}
 
 
 def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_machine) -> None:
@@ -365,8 +534,145 @@ def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_ma
     assert pl.main_plan([str(tmp_path / "nowhere")]) == 2
     assert "config.json" in capsys.readouterr().err
     assert pl.main_plan([str(tiny), "--context", "0"]) == 2
+    assert pl.main_plan([str(tiny), "--lookahead", "-1"]) == 2
     # Above what the (fake) machine holds: refused, unless planning for another machine.
     fake_machine(sz.MachineMemory(total=sz.GiB, available=32 * sz.MiB, swap_total=0, cgroup=None))
     assert pl.main_plan([str(tiny), "--memory", "64M"]) == 2
     assert "without swapping" in capsys.readouterr().err
     assert pl.main_plan([str(tiny), "--memory", "64M", "--no-machine-check"]) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# The plan against the C engine (tiny fixture)
+# ---------------------------------------------------------------------------------------
+
+
+def engine_unit_bytes(entries: list[tuple[int, int, int, int]]) -> int:
+    """Slot bytes of one unit as native/k3_ring.c kr_unit_layout lays it out.
+
+    entries: (shard index, file offset, bytes, element size). Sorted by shard and offset; a
+    tensor extends the previous read when it follows it in the same shard and keeps its
+    element alignment inside the slot, else a new read starts 64-byte aligned."""
+    reads: list[list[int]] = []  # [shard, offset, length, slot offset]
+    pos = 0
+    for shard, off, nbytes, el in sorted(entries):
+        last = reads[-1] if reads else None
+        if (last and last[0] == shard and last[1] + last[2] == off
+                and (last[3] + last[2]) % el == 0):
+            last[2] += nbytes
+        else:
+            pos = (pos + 63) // 64 * 64
+            reads.append([shard, off, nbytes, pos])
+        pos = reads[-1][3] + reads[-1][2]
+    return pos
+
+
+def engine_units(model_dir: Path, n_layers: int,
+                 lookahead: int) -> list[list[tuple[int, int, int]]]:
+    """Per layer, per unit (attention, FFN): (engine slot bytes, stored bytes, tensors).
+
+    Matrices are every 2-D tensor with both dims > 1 (the brief's rule, not the planner's
+    name list); the router leaves the FFN unit when lookahead is on."""
+    ckpt = open_checkpoint(model_dir)
+    shard_id = {s: i for i, s in enumerate(ckpt.shards)}  # as k3engine.model hands them over
+    out = []
+    for L in range(n_layers):
+        prefix = f"language_model.model.layers.{L}."
+        units: list[list[tuple[int, int, int, int]]] = [[], []]
+        for name, t in ckpt.tensors.items():
+            if not name.startswith(prefix) or ".experts." in name:
+                continue
+            if len(t.shape) != 2 or min(t.shape) <= 1:
+                continue
+            local = name[len(prefix):]
+            if lookahead and local == "block_sparse_moe.gate.weight":
+                continue
+            el = 4 if t.dtype == "F32" else 2
+            units[0 if local.startswith("self_attn.") else 1].append(
+                (shard_id[t.shard], t.start, t.nbytes, el))
+        out.append([(engine_unit_bytes(u), sum(e[2] for e in u), len(u)) for u in units])
+    return out
+
+
+def test_engine_unit_layout_rule() -> None:
+    """The reimplementation above pads the way kr_unit_layout does (the fixtures' tensors
+    are all multiples of 64 B, so they never need it)."""
+    assert engine_unit_bytes([(0, 0, 100, 2), (0, 100, 30, 2)]) == 130  # coalesced
+    assert engine_unit_bytes([(0, 100, 30, 2), (0, 0, 100, 2), (0, 200, 10, 4)]) == 192 + 10
+    assert engine_unit_bytes([(0, 0, 2, 2), (0, 2, 4, 4)]) == 64 + 4  # F32 after 2 B: new read
+    assert engine_unit_bytes([(0, 0, 6, 2), (1, 6, 6, 2)]) == 64 + 6  # another shard
+    for entries in ([(0, 0, 100, 2), (0, 300, 30, 2), (0, 900, 10, 4)],
+                    [(0, 0, 2, 2), (0, 2, 4, 4)]):
+        stored = sum(e[2] for e in entries)
+        assert engine_unit_bytes(entries) <= pl.unit_slot_bytes(stored, len(entries))
+        assert engine_unit_bytes(entries) <= stored + 64 * len(entries)
+
+
+@pytest.fixture(scope="module")
+def tiny_scrambled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from k3engine.fixture import write_fixture
+
+    return write_fixture("tiny", tmp_path_factory.mktemp("plan") / "scrambled", scrambled=True,
+                         with_oracle=False)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize("which", ["tiny", "tiny_scrambled"])
+def test_ring_bound_covers_the_engine_unit_layout(which: str, lookahead: int,
+                                                  request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(which)
+    cfg = load_config(model_dir)
+    ts = pl.tensor_sizes_from_dir(model_dir, cfg)
+    units = engine_units(model_dir, cfg.n_layers, lookahead)
+    plan = pl.make_plan(cfg, ts, pl.minimum_budget(cfg, ts, 64, lookahead=lookahead), 64,
+                        check_machine=False, lookahead=lookahead)
+    check_invariants(plan)
+    assert not plan.pinned_layers  # the smallest plan streams every layer
+    for L in range(cfg.n_layers):
+        for u in (0, 1):
+            real, stored, count = units[L][u]
+            bound = plan.layer_unit_slots[L][u]
+            assert real <= bound < stored + 64 * count + 4096, (L, u)
+        # the planner's unit split agrees with the shape rule
+        router = ts.layer_router[L] if lookahead else 0
+        assert (units[L][0][1], units[L][0][2]) == (ts.layer_attn[L], ts.layer_attn_count[L])
+        assert units[L][1][1] == ts.layer_ffn[L] - router
+        assert units[L][1][2] == ts.layer_ffn_count[L] - (1 if router else 0)
+    largest = max(max(units[L][0][0], units[L][1][0]) for L in plan.streamed_layers)
+    assert plan.ring_slot_bytes >= largest
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_tiny_plan_opens_the_engine_as_planned(tiny: Path, lookahead: int) -> None:
+    """A budget that forces streaming: the plan's options open the engine, which streams
+    the planned layers, holds the planned expert slots and gives the same bits."""
+    from k3engine.model import Model
+
+    cfg = load_config(tiny)
+    ts = pl.tensor_sizes_from_dir(tiny, cfg)
+    budget = pl.minimum_budget(cfg, ts, 64, lookahead=lookahead) + 450_000
+    plan = pl.make_plan(cfg, ts, budget, 64, check_machine=False, lookahead=lookahead)
+    check_invariants(plan)
+    assert plan.pinned_layers and plan.streamed_layers and plan.embed_stream
+    assert plan.expert_slots < plan.experts_total  # the cache must evict
+    opts = plan.stream_options(reader_threads=2)
+    assert opts.reader_threads == 2 and opts.pinned == plan.pinned_layers
+    ids = [(37 * i + 11) % cfg.vocab for i in range(48)]
+    with Model(tiny) as resident:
+        want = resident.forward(ids)
+    with Model(tiny, streaming=opts) as m:
+        got = m.forward(ids)
+        st = m.stats()
+    assert got.tobytes() == want.tobytes()
+    assert st["expert_slots"] == plan.expert_slots
+    units = 2 * len(plan.streamed_layers)  # one pass loads each streamed unit once
+    assert units <= st["trunk_stream_reads"] <= units + plan.ring_slots
+    assert st["cache_evictions"] > 0
+    if lookahead:
+        assert st["lookahead_issued"] > 0
+
+
+def test_planner_does_not_need_the_built_engine() -> None:
+    code = ("import sys; sys.modules['k3engine._k3'] = None; import k3engine.planner; "
+            "assert 'k3engine.model' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,831 @@
+"""The conversation loop that the CLI and the app both drive (spec k3-chat.md 5, design 2.5/3).
+
+One turn: render the history plus the new message -> encode -> refuse an overflow before the
+history changes -> commit the user record -> reuse the longest fed prefix (live state, a
+turn-boundary snapshot, or the session's state file) -> prefill only the rest -> sample and
+stream -> parse (strictly, else leniently and marked interrupted) -> append -> save the state.
+
+Invariants this module keeps:
+
+- ``_fed`` mirrors the ids the engine session holds (spec 5.3 F), recorded where they are
+  fed. A sampled end id is never fed, and neither is the last id sampled when the turn stops
+  for any other reason, so F stays exact and the state reusable.
+- Reuse is all or nothing per candidate: a state is reused only if it is untainted and every
+  id it holds begins the new prompt (``0 < |F| < |P|``). Otherwise the next shorter
+  candidate is tried, down to a full prefill.
+- The history is changed only after the prompt is known to fit, and everything generated is
+  appended, interrupted or not.
+
+No Textual (or any UI) import here: the app runs this on a worker thread and receives events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from k3chat import paths, statefile
+from k3chat.events import (
+    AnswerToken,
+    Event,
+    EventHandler,
+    Notice,
+    PhaseChanged,
+    Prefill,
+    ReasoningToken,
+    Stats,
+    TurnDone,
+    ignore,
+)
+from k3chat.history import HistoryStore
+from k3chat.sampler import Sampler, SamplerSettings
+from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
+from k3chat.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 4096  # G, spec 5.2
+DEFAULT_MAX_SNAPSHOTS = 3
+INITIAL_CAPACITY = 4096  # positions; the session grows (state moved over) when a turn needs more
+STATE_SUFFIX = ".k3state"
+# Bumped when the engine's exported state layout changes (native/k3_state.c KS_VERSION):
+# part of the fingerprint, so an old state file is refused by reason rather than by luck.
+ENGINE_STATE_LAYOUT = b"k3-engine-state:K3S1:v1"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConversationError(Exception):
+    """A turn could not start; the history was not changed."""
+
+
+class ContextOverflow(ConversationError):
+    """The prompt plus the generation limit does not fit in the context (spec 5.2 step 3)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context = context
+        super().__init__(
+            f"the conversation would overflow the context: {prompt_tokens} prompt tokens + "
+            f"{max_tokens} for the answer + 1 > {context} positions; the history was not changed"
+        )
+
+
+class TurnFailed(ConversationError):
+    """The engine or the sampler failed during a turn. What was generated before the failure
+    is in ``result`` and was saved (marked interrupted) unless ``result.saved`` is False."""
+
+    def __init__(self, result: TurnResult, cause: BaseException) -> None:
+        self.result = result
+        self.cause = cause
+        saved = "the partial answer was saved, marked interrupted" if result.saved else "nothing was saved"
+        super().__init__(f"{cause} ({saved})")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class TurnResult:
+    session_id: str
+    turn: int  # the sampler's turn number (spec 4)
+    record: dict[str, Any]  # the assistant record as stored
+    reasoning: str | None  # None when thinking was off
+    answer: str
+    interrupted: bool
+    stop: str  # "end", "limit", "cancelled", "malformed", "error"
+    message: str | None  # why the turn is interrupted, for the user (never persisted)
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    reuse_source: str | None  # "live", "snapshot", "state_file" or None (full prefill)
+    reuse_note: str | None  # why a saved state was not used, if one was refused
+    generated_ids: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    seed: int | None  # None when greedy
+    greedy: bool
+    saved: bool = True
+    sync_tokens: int = 0  # fed after the turn to line the state up with the stored text
+    state_saved: bool = False
+    engine: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.generated_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session_id,
+            "turn": self.turn,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "reuse_source": self.reuse_source,
+            "reuse_note": self.reuse_note,
+            "generated_tokens": self.generated_tokens,
+            "generated_ids": list(self.generated_ids),
+            "reasoning": self.reasoning,
+            "answer": self.answer,
+            "interrupted": self.interrupted,
+            "stop": self.stop,
+            "message": self.message,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "greedy": self.greedy,
+            "seed": self.seed,
+            "saved": self.saved,
+            "sync_tokens": self.sync_tokens,
+            "state_saved": self.state_saved,
+            "stats": dict(self.engine),
+        }
+
+
+# --------------------------------------------------------------------------- model identity
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        (n,) = struct.unpack("<Q", head)
+        return head + f.read(min(n, 100 << 20))
+
+
+def model_fingerprint_for(model_dir: str | Path) -> str:
+    """The identity a state file must match: config.json and the tensor index (or the single
+    file's header) as raw bytes, plus each shard's name, size and mtime and the engine's state
+    layout. A touched or replaced shard therefore costs a re-prefill, never a wrong state."""
+    d = Path(model_dir)
+    config = (d / "config.json").read_bytes()
+    index_path = d / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = index_path.read_bytes()
+    elif (d / "model.safetensors").is_file():
+        index = _safetensors_header(d / "model.safetensors")
+    else:
+        index = b""
+    extra = [ENGINE_STATE_LAYOUT]
+    for shard in sorted(d.glob("*.safetensors")):
+        st = shard.stat()
+        extra.append(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return statefile.model_fingerprint(config, index, extra=b"\n".join(extra))
+
+
+def model_max_positions(model_dir: str | Path) -> int | None:
+    """``max_position_embeddings`` from config.json (text_config first), if it states one."""
+    try:
+        doc = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for scope in (doc.get("text_config"), doc):
+        if isinstance(scope, dict):
+            value = scope.get("max_position_embeddings")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def state_path(session_id: str) -> Path:
+    return paths.state_dir() / "sessions" / f"{session_id}{STATE_SUFFIX}"
+
+
+def delete_state(session_id: str) -> bool:
+    """Remove a session's state file (it holds the conversation in another form)."""
+    try:
+        os.unlink(state_path(session_id))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def sampler_settings(
+    *, sampling: bool, temperature: float, top_p: float, top_k: int, seed: int | None,
+    records: Sequence[Mapping[str, Any]] = (),
+) -> SamplerSettings:
+    """SamplerSettings for a conversation. Without a seed, the one stored with the session's
+    last sampled answer is reused (one seed per conversation, spec 4), else a random one."""
+    if seed is None:
+        for rec in reversed(records):
+            stored = rec.get("sampler") if rec.get("role") == "assistant" else None
+            if isinstance(stored, dict) and isinstance(stored.get("seed"), int):
+                seed = stored["seed"]
+                break
+    if seed is None:
+        seed = secrets.randbits(64)
+    return SamplerSettings(greedy=not sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class _SamplerLike(Protocol):
+    def sample(self, logits: Any) -> int: ...
+
+
+@dataclass
+class _Snap:
+    snap_id: int
+    ids: list[int]
+
+
+def _extends(prefix: Sequence[int], ids: Sequence[int]) -> bool:
+    """Spec 5.3: 0 < |F| < |P| and P begins with every id of F."""
+    n = len(prefix)
+    return 0 < n < len(ids) and list(ids[:n]) == list(prefix)
+
+
+def _is_prefix(prefix: Sequence[int], ids: Sequence[int]) -> bool:
+    n = len(prefix)
+    return n <= len(ids) and list(ids[:n]) == list(prefix)
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+class Conversation:
+    """One session's conversation on an open model.
+
+    Not thread-safe, except ``cancel()``, which any thread (or a signal handler) may call
+    while a turn runs. Settings (``thinking``, ``effort``, ``sampler``, ``max_tokens``) are
+    plain attributes and apply from the next turn.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Tokenizer,
+        store: HistoryStore,
+        session_id: str,
+        *,
+        thinking: bool = True,
+        effort: str | None = "max",
+        sampler: SamplerSettings | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        context: int | None = None,
+        state_files: bool = True,
+        fingerprint: str | None = None,
+        model_name: str | None = None,
+        max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+        stats_every: int = 8,
+        sampler_factory: Callable[[SamplerSettings, int], _SamplerLike] = Sampler,
+    ) -> None:
+        tokenizer.engine_vocab_check(model.config.vocab)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.grammar = Grammar(tokenizer)
+        self.store = store
+        self.session_id = session_id
+        self.thinking = thinking
+        self.effort = effort
+        self.sampler = sampler or SamplerSettings()
+        self.max_tokens = max_tokens
+        model_dir = getattr(model, "dir", None)
+        limit = context if context is not None else (model_max_positions(model_dir) if model_dir else None)
+        self.context = min(limit or 2**31 - 2, 2**31 - 2)
+        self.state_files = state_files
+        self._fingerprint = fingerprint
+        self.model_name = model_name if model_name is not None else (Path(model_dir).name if model_dir else None)
+        self.max_snapshots = max(0, max_snapshots)
+        self.stats_every = max(1, stats_every)
+        self._sampler_factory = sampler_factory
+        loaded = store.load(session_id)
+        self._records: list[dict[str, Any]] = list(loaded.records)
+        self.load_problems: list[str] = list(loaded.problems)
+        self._session: Any = None
+        self._fed: list[int] | None = None  # None: unknown (tainted)
+        self._snaps: list[_Snap] = []
+        self._state_file_tried = not state_files
+        self._cancel = threading.Event()
+        self._engine_cancel: Any = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._records]
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint_for(self.model.dir)
+        return self._fingerprint
+
+    @property
+    def context_used(self) -> int:
+        return len(self._fed) if self._fed is not None else 0
+
+    @property
+    def pending_user(self) -> bool:
+        """The history ends with an unanswered user message (after a crash): respond()."""
+        return bool(self._records) and self._records[-1].get("role") == "user"
+
+    def cancel(self) -> None:
+        """Stop the turn in flight after the step in flight (thread-safe). During a prefill
+        the engine may abort between layers; that costs a re-prefill next time, nothing else."""
+        self._cancel.set()
+        flag = self._engine_cancel
+        if flag is not None:
+            flag.set()
+
+    def prompt_ids(self, text: str | None = None) -> list[int]:
+        """The ids of the next prompt (with ``text`` as a new user message), for a context
+        meter or a check before sending. Raises ContextOverflow like send() would."""
+        records = self._records + ([{"role": "user", "content": text}] if text is not None else [])
+        prompt, _ = self._encode(records)
+        self._check_fits(prompt)
+        return prompt
+
+    def send(self, text: str, *, system: str | None = None, on_event: EventHandler = ignore) -> TurnResult | None:
+        """A new user message and its answer. An empty message is ignored (returns None).
+
+        ``system`` starts an empty conversation with a system message; it is committed with
+        the user message, after the overflow check, so a refused first turn leaves no trace.
+        """
+        if text == "":
+            return None
+        if self.pending_user:
+            raise ConversationError("the last message has no answer yet: respond to it, or edit it")
+        new: list[dict[str, Any]] = []
+        if system is not None:
+            if self._records:
+                raise ConversationError("a system message can only start a conversation")
+            new.append({"role": "system", "content": system})
+        new.append({"role": "user", "content": text})
+
+        def commit() -> None:
+            for record in new:
+                self._append(record)
+
+        return self._turn(self._records + new, commit, on_event)
+
+    def respond(self, *, on_event: EventHandler = ignore) -> TurnResult:
+        """Answer the history's last user message (a session that ended in one, spec 5.1)."""
+        if not self.pending_user:
+            raise ConversationError("there is no unanswered message")
+        return self._turn(list(self._records), lambda: None, on_event)
+
+    def regenerate(self, *, on_event: EventHandler = ignore) -> TurnResult:
+        """Replace the last answer with a new one (same sampler turn number)."""
+        if not self._records or self._records[-1].get("role") != "assistant":
+            raise ConversationError("there is no answer to regenerate")
+        keep = len(self._records) - 1
+        return self._turn(self._records[:keep], lambda: self._truncate(keep), on_event)
+
+    def edit_last(self, text: str, *, on_event: EventHandler = ignore) -> TurnResult | None:
+        """Replace the last user message (and its answer) with ``text``, then answer it."""
+        if text == "":
+            return None
+        last_user = max((i for i, r in enumerate(self._records) if r.get("role") == "user"), default=None)
+        if last_user is None:
+            raise ConversationError("there is no message to edit")
+        records = self._records[:last_user] + [{"role": "user", "content": text}]
+
+        def commit() -> None:
+            self._truncate(last_user)
+            self._append({"role": "user", "content": text})
+
+        return self._turn(records, commit, on_event)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        self._session, self._fed, self._snaps = None, None, []
+
+    # ------------------------------------------------------------------ history
+
+    def _append(self, record: dict[str, Any]) -> dict[str, Any]:
+        stored = self.store.append(self.session_id, record)
+        self._records.append(stored)
+        return stored
+
+    def _truncate(self, keep: int) -> None:
+        loaded = self.store.truncate(self.session_id, keep)
+        self._records = list(loaded.records)
+
+    # ------------------------------------------------------------------ prompts
+
+    def _render_ids(self, records: Sequence[Mapping[str, Any]], generation: bool) -> list[int]:
+        segments = render(records, thinking=self.thinking, effort=self.effort if self.thinking else None,
+                          add_generation_prompt=generation)
+        return encode(segments, self.tokenizer)
+
+    def _encode(self, records: Sequence[Mapping[str, Any]]) -> tuple[list[int], int]:
+        """(P, |B|): the prompt, and the length of its part before the last user message
+        (the turn boundary, where a snapshot makes regenerate and edit-last cheap)."""
+        prompt = self._render_ids(records, True)
+        boundary = len(self._render_ids(records[:-1], False))
+        return prompt, boundary
+
+    def _check_fits(self, prompt: Sequence[int]) -> None:
+        if len(prompt) + self.max_tokens + 1 > self.context:
+            raise ContextOverflow(len(prompt), self.max_tokens, self.context)
+
+    # ------------------------------------------------------------------ engine state
+
+    def _ensure_capacity(self, needed: int) -> None:
+        cap_limit = self.context
+        if self._session is None:
+            self._session = self.model.session(min(cap_limit, max(needed, INITIAL_CAPACITY)))
+            self._fed = []
+            return
+        if self._session.capacity >= needed:
+            return
+        old = self._session
+        new = self.model.session(min(cap_limit, max(needed, 2 * old.capacity)))
+        live = old.export_state() if self._fed is not None and not old.tainted else None
+        moved: list[_Snap] = []
+        for snap in self._snaps:
+            try:
+                old.restore(snap.snap_id)
+                new.import_state(old.export_state())
+                moved.append(_Snap(new.snapshot(), snap.ids))
+            except Exception as exc:  # an optimisation only: a lost snapshot costs a prefill
+                log.warning("snapshot not moved to the larger session: %s", exc)
+        old.close()
+        if live is not None:
+            new.import_state(live)
+        elif moved:
+            new.restore(moved[-1].snap_id)
+            self._fed = list(moved[-1].ids)
+        else:
+            self._fed = None  # nothing to keep: the next positioning resets the session
+        self._session, self._snaps = new, moved
+
+    def _live_usable(self) -> bool:
+        return self._session is not None and self._fed is not None and not self._session.tainted
+
+    def _position_at(self, prompt: Sequence[int]) -> tuple[int, str | None, str | None]:
+        """Bring the session to the longest reusable prefix of ``prompt``.
+
+        Returns (reused length, source, note): note says why a state file was not used.
+        """
+        best_len, best_src, best_snap = 0, None, None
+        if self._live_usable() and _extends(self._fed or [], prompt):
+            best_len, best_src = len(self._fed or []), "live"
+        for snap in self._snaps:
+            if len(snap.ids) > best_len and _extends(snap.ids, prompt):
+                best_len, best_src, best_snap = len(snap.ids), "snapshot", snap
+        note = None
+        if not self._state_file_tried:
+            self._state_file_tried = True
+            payload, ids, note = self._read_state_file(prompt)
+            if payload is not None and ids is not None and len(ids) > best_len:
+                try:
+                    self._session.import_state(payload)
+                    if self._session.length != len(ids):
+                        raise ValueError(f"the engine holds {self._session.length} positions after import, "
+                                         f"the file {len(ids)}")
+                    self._fed = list(ids)
+                    return len(ids), "state_file", None
+                except Exception as exc:
+                    self._fed = None  # whatever import did, the live state is gone
+                    reused, source, _ = self._position_at(prompt)  # snapshots, else a full prefill
+                    return reused, source, f"saved state refused (import failed: {exc}); prefilling the history"
+        if best_src == "snapshot" and best_snap is not None:
+            try:
+                self._session.restore(best_snap.snap_id)
+                self._fed = list(best_snap.ids)
+            except Exception as exc:
+                log.warning("snapshot restore failed (%s); prefilling", exc)
+                self._snaps.remove(best_snap)
+                return self._position_at(prompt)
+        elif best_src is None:
+            self._fresh()
+        return best_len, best_src, note
+
+    def _fresh(self) -> None:
+        if self._fed is None or self._fed or self._session.tainted or self._session.length:
+            self._session.reset()
+        self._fed = []
+
+    def _read_state_file(self, prompt: Sequence[int]) -> tuple[bytes | None, list[int] | None, str | None]:
+        """(payload, ids, None) for a usable state file, else (None, None, reason)."""
+        path = state_path(self.session_id)
+        has_history = any(r.get("role") == "assistant" for r in self._records)
+        try:
+            sf = statefile.load_state(path, fingerprint=self.fingerprint)
+        except statefile.StateFileError as exc:
+            if exc.reason == statefile.MISSING:
+                return None, None, ("no saved engine state for this session; prefilling the history"
+                                    if has_history else None)
+            return None, None, f"saved state refused ({exc.reason}: {exc.detail}); prefilling the history"
+        try:
+            from k3engine.model import decode_state
+            ids = [int(i) for i in decode_state(sf.payload).ids]
+        except Exception as exc:
+            return None, None, f"saved state refused (unreadable engine state: {exc}); prefilling the history"
+        if len(ids) != sf.n_tokens:
+            return None, None, (f"saved state refused (the file says {sf.n_tokens} tokens, the state holds "
+                                f"{len(ids)}); prefilling the history")
+        if not _extends(ids, prompt):
+            at = _first_difference(ids, prompt)
+            why = (f"it holds {len(ids)} tokens, the prompt has {len(prompt)}" if len(ids) >= len(prompt)
+                   else f"it differs from the conversation at token {at}")
+            return None, None, f"saved state does not match the history ({why}); prefilling the history"
+        return sf.payload, ids, None
+
+    def _snapshot_here(self) -> None:
+        """Keep a snapshot of the current state (a turn boundary), at most max_snapshots."""
+        if self.max_snapshots == 0 or not self._live_usable() or not self._fed:
+            return
+        fed = self._fed
+        if any(len(s.ids) == len(fed) and s.ids == fed for s in self._snaps):
+            return
+        try:
+            snap_id = self._session.snapshot()
+        except Exception as exc:  # out of memory for a copy: an optimisation lost, nothing else
+            log.warning("no turn-boundary snapshot: %s", exc)
+            return
+        self._snaps.append(_Snap(snap_id, list(fed)))
+        while len(self._snaps) > self.max_snapshots:
+            old = self._snaps.pop(0)
+            try:
+                self._session.drop_snapshot(old.snap_id)
+            except Exception:
+                pass
+
+    def _feed(self, ids: Sequence[int], *, cancellable: bool) -> Any:
+        """Feed and mirror into _fed; a failed or cancelled feed leaves _fed unknown."""
+        try:
+            logits = self._session.feed(list(ids), cancel=self._engine_cancel if cancellable else None)
+        except BaseException:
+            self._fed = None
+            raise
+        assert self._fed is not None
+        self._fed.extend(int(i) for i in ids)
+        return logits
+
+    # ------------------------------------------------------------------ one turn
+
+    def _turn(self, records: list[dict[str, Any]], commit: Callable[[], None], on_event: EventHandler) -> TurnResult:
+        prompt, boundary = self._encode(records)
+        self._check_fits(prompt)  # before the history changes (spec 5.2 step 3)
+        commit()  # spec 5.2 step 4: the user record is durable before any compute
+        from k3engine.model import CancelFlag
+
+        if self._engine_cancel is None:
+            self._engine_cancel = CancelFlag()
+            if self._cancel.is_set():
+                self._engine_cancel.set()
+        try:
+            return self._generate(prompt, boundary, on_event)
+        finally:
+            self._cancel.clear()
+            self._engine_cancel.clear()
+
+    def _generate(self, prompt: list[int], boundary: int, on_event: EventHandler) -> TurnResult:
+        from k3engine.model import Cancelled, EngineError
+        from k3chat.sampler import SamplerError
+
+        turn = sum(1 for r in self._records if r.get("role") == "assistant") + 1
+        thinking, effort, settings, limit = self.thinking, self.effort, self.sampler, self.max_tokens
+        emit = on_event
+        self._ensure_capacity(len(prompt) + limit + 1)
+        reused, source, note = self._position_at(prompt)
+        if note:
+            emit(Notice("state", note))
+        st = _TurnState(prompt_tokens=len(prompt), reused=reused, source=source, note=note, turn=turn,
+                        thinking=thinking, effort=effort, settings=settings)
+        emit(Prefill(len(prompt), reused, len(prompt) - reused, source))
+        emit(PhaseChanged("prefill"))
+        t0 = time.perf_counter()
+        try:
+            if reused >= boundary - 1 and reused > 0:
+                self._snapshot_here()  # the state at this turn's start (the end of the last)
+            elif boundary > reused:
+                self._feed(prompt[reused:boundary], cancellable=True)
+                self._snapshot_here()
+            logits = self._feed(prompt[len(self._fed or []):], cancellable=True)
+        except Cancelled:
+            st.prefill_s = time.perf_counter() - t0
+            return self._finish(st, [], "cancelled", emit)
+        except (EngineError, MemoryError) as exc:
+            st.prefill_s = time.perf_counter() - t0
+            raise self._failed(st, [], exc, emit) from exc
+        st.prefill_s = time.perf_counter() - t0
+        self._emit_stats(st, 0, emit)
+
+        sampler = self._sampler_factory(settings, turn)
+        parser = StreamParser(self.grammar, thinking)
+        phase = "reasoning" if thinking else "answer"
+        emit(PhaseChanged(phase))  # type: ignore[arg-type]
+        generated: list[int] = []
+        stop = "cancelled" if self._cancel.is_set() else ""
+        t1 = time.perf_counter()
+        try:
+            while not stop:
+                token = int(sampler.sample(logits))
+                generated.append(token)
+                for channel, text in parser.push(token):
+                    if channel == "content" and phase != "answer":
+                        phase = "answer"
+                        emit(PhaseChanged("answer"))
+                    emit(ReasoningToken(text) if channel == "reasoning" else AnswerToken(text))
+                if parser.channel == "content" and phase != "answer":
+                    phase = "answer"
+                    emit(PhaseChanged("answer"))
+                if token in self.grammar.end_ids:
+                    stop = "end"  # never fed (spec 1.7)
+                elif len(generated) >= limit:
+                    stop = "limit"  # the last id is not fed either: F stays exact
+                elif self._cancel.is_set():
+                    stop = "cancelled"  # checked at the top of the next step (spec 5.4)
+                else:
+                    logits = self._feed([token], cancellable=False)  # the step in flight completes
+                    st.decode_s = time.perf_counter() - t1
+                    if len(generated) % self.stats_every == 0:
+                        self._emit_stats(st, len(generated), emit)
+        except (EngineError, SamplerError, MemoryError) as exc:
+            st.decode_s = time.perf_counter() - t1
+            self._flush(parser, emit, phase)
+            raise self._failed(st, generated, exc, emit) from exc
+        except BaseException:
+            # KeyboardInterrupt or a failing event handler: keep what was generated.
+            st.decode_s = time.perf_counter() - t1
+            self._save_quietly(st, generated)
+            raise
+        st.decode_s = time.perf_counter() - t1
+        self._flush(parser, emit, phase)
+        return self._finish(st, generated, stop, emit)
+
+    def _flush(self, parser: StreamParser, emit: EventHandler, phase: str) -> None:
+        for channel, text in parser.finish():
+            emit(ReasoningToken(text) if channel == "reasoning" else AnswerToken(text))
+
+    # ------------------------------------------------------------------ ending a turn
+
+    def _parse(self, st: _TurnState, generated: list[int], stop: str) -> tuple[ParsedTurn, str, str | None]:
+        if stop == "end":
+            try:
+                return self.grammar.parse_strict(generated, st.thinking), "end", None
+            except MalformedTurn as exc:
+                return (self.grammar.parse_lenient(generated, st.thinking), "malformed",
+                        f"the model's answer is malformed ({exc.reason}); what it said was kept, marked interrupted")
+        parsed = self.grammar.parse_lenient(generated, st.thinking)
+        if stop == "limit":
+            return parsed, stop, (f"stopped at the {len(generated)}-token limit before the model finished its "
+                                  "answer; what it said was kept, marked interrupted")
+        if stop == "cancelled":
+            return parsed, stop, "stopped on request; what the model said so far was kept, marked interrupted"
+        return parsed, stop, "the turn failed; what the model said so far was kept, marked interrupted"
+
+    def _record(self, st: _TurnState, parsed: ParsedTurn, interrupted: bool, generated: list[int]) -> dict[str, Any]:
+        rec: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if st.thinking:
+            rec["reasoning_content"] = parsed.reasoning or ""
+        if interrupted:
+            rec["interrupted"] = True
+        if self.model_name:
+            rec["model"] = self.model_name
+        rec["thinking"] = st.thinking
+        if st.thinking and st.effort is not None:
+            rec["effort"] = st.effort
+        s = st.settings
+        rec["sampler"] = ({"greedy": True} if s.greedy else
+                          {"greedy": False, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                           "seed": s.seed})
+        rec["tokens"] = {"prompt": st.prompt_tokens, "reused": st.reused,
+                         "prefilled": st.prompt_tokens - st.reused, "generated": len(generated)}
+        speed = {}
+        if st.prefill_s > 0 and st.prompt_tokens > st.reused:
+            speed["prefill_tokens_per_second"] = round((st.prompt_tokens - st.reused) / st.prefill_s, 3)
+        if st.decode_s > 0 and len(generated) > 1:
+            speed["decode_tokens_per_second"] = round((len(generated) - 1) / st.decode_s, 3)
+        if speed:
+            rec["speed"] = speed
+        return rec
+
+    def _result(self, st: _TurnState, record: dict[str, Any], parsed: ParsedTurn, stop: str,
+                message: str | None, generated: list[int], saved: bool) -> TurnResult:
+        s = st.settings
+        return TurnResult(
+            session_id=self.session_id, turn=st.turn, record=record, reasoning=parsed.reasoning,
+            answer=parsed.content, interrupted=bool(record.get("interrupted")), stop=stop, message=message,
+            prompt_tokens=st.prompt_tokens, reused_tokens=st.reused, prefilled_tokens=st.prompt_tokens - st.reused,
+            reuse_source=st.source, reuse_note=st.note, generated_ids=list(generated),
+            prefill_seconds=st.prefill_s, decode_seconds=st.decode_s, seed=None if s.greedy else s.seed,
+            greedy=s.greedy, saved=saved, engine=self._engine_stats(),
+        )
+
+    def _finish(self, st: _TurnState, generated: list[int], stop: str, emit: EventHandler) -> TurnResult:
+        parsed, stop, message = self._parse(st, generated, stop)
+        record = self._record(st, parsed, stop != "end", generated)
+        stored = self._append(record)  # a HistoryError here propagates: the caller must know
+        result = self._result(st, stored, parsed, stop, message, generated, saved=True)
+        if message:
+            emit(Notice(stop, message))
+        if self.state_files:
+            self._checkpoint(result, emit, cancelled=(stop == "cancelled"))
+        self._emit_stats(st, len(generated), emit)
+        emit(PhaseChanged("done"))
+        emit(TurnDone(result))
+        return result
+
+    def _failed(self, st: _TurnState, generated: list[int], exc: BaseException, emit: EventHandler) -> TurnFailed:
+        parsed, _, _ = self._parse(st, generated, "error")
+        record = self._record(st, parsed, True, generated)
+        try:
+            stored, saved = self._append(record), True
+        except Exception as save_exc:  # report both; the engine failure is the cause
+            log.error("could not save the partial answer: %s", save_exc)
+            stored, saved = record, False
+        result = self._result(st, stored, parsed, "error", f"the turn failed: {exc}", generated, saved)
+        emit(Notice("error", result.message or str(exc)))
+        emit(PhaseChanged("done"))
+        emit(TurnDone(result))
+        return TurnFailed(result, exc)
+
+    def _save_quietly(self, st: _TurnState, generated: list[int]) -> None:
+        try:
+            parsed = self.grammar.parse_lenient(generated, st.thinking)
+            self._append(self._record(st, parsed, True, generated))
+        except Exception as exc:
+            log.error("could not save the partial answer: %s", exc)
+
+    def _checkpoint(self, result: TurnResult, emit: EventHandler, *, cancelled: bool) -> None:
+        """Save the engine state for the next run. If what was fed is not a prefix of the
+        stored history (an answer cut at a control id, or text that re-encodes differently),
+        first bring the state in line from a snapshot, unless the user asked to stop."""
+        from k3engine.model import EngineError
+
+        rendered = self._render_ids(self._records, False)
+        if not (self._live_usable() and self._fed and _is_prefix(self._fed, rendered)) and not cancelled:
+            candidates = [s for s in self._snaps if _extends(s.ids, rendered)]
+            best = max(candidates, key=lambda s: len(s.ids), default=None)
+            start = len(best.ids) if best is not None else 0
+            emit(PhaseChanged("sync"))
+            try:
+                if best is not None:
+                    self._session.restore(best.snap_id)
+                    self._fed = list(best.ids)
+                else:
+                    self._fresh()
+                if start < len(rendered):
+                    self._feed(rendered[start:], cancellable=True)
+                    result.sync_tokens = len(rendered) - start
+            except (EngineError, MemoryError, ValueError) as exc:
+                log.warning("engine state not brought in line with the history: %s", exc)
+        if not (self._live_usable() and self._fed and _is_prefix(self._fed, rendered)):
+            return
+        try:
+            path = state_path(self.session_id)
+            paths.ensure_private_dir(paths.state_dir())
+            statefile.save_state(path, self._session.export_state(), fingerprint=self.fingerprint,
+                                 n_tokens=len(self._fed))
+            result.state_saved = True
+        except (OSError, EngineError, ValueError) as exc:
+            emit(Notice("state", f"engine state not saved ({exc}); the next run prefills the history"))
+
+    # ------------------------------------------------------------------ stats
+
+    def _engine_stats(self) -> dict[str, int]:
+        try:
+            return dict(self.model.stats())
+        except Exception:
+            return {}
+
+    def _emit_stats(self, st: _TurnState, n_generated: int, emit: EventHandler) -> None:
+        emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
+                   prefilled_tokens=st.prompt_tokens - st.reused, generated_tokens=n_generated,
+                   prefill_seconds=st.prefill_s, decode_seconds=st.decode_s,
+                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats()))
+
+
+@dataclass
+class _TurnState:
+    prompt_tokens: int
+    reused: int
+    source: str | None
+    note: str | None
+    turn: int
+    thinking: bool
+    effort: str | None
+    settings: SamplerSettings
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+__all__ = [
+    "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
+    "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings",
+    "Event",
+]
