@@ -162,6 +162,9 @@ int k3_session_snapshot_drop(k3_session *s, int32_t snap_id);
  * scale-255 groups met (decoded as zeros). */
 int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
                         const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads);
+/* Decode an MXFP4 matrix to floats (out: rows * cols); returns scale-255 groups met. */
+int64_t k3_kernel_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, int32_t rows,
+                               int32_t cols, float *out);
 /* The same for a BF16 matrix [rows, cols]. */
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads);

@@ -211,3 +211,13 @@ int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x
 }
 
 int32_t k3_cpu_has_avx2(void) { return kk_cpu_has_avx2(); }
+
+int64_t k3_kernel_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, int32_t rows,
+                               int32_t cols, float *out) {
+    if (rows < 1 || cols < 32 || cols % 32) return -1;
+    uint64_t nan = 0;
+    for (int32_t r = 0; r < rows; r++)
+        kk_mxfp4_decode_row(packed + (size_t)r * (cols / 2), scales + (size_t)r * (cols / 32), cols,
+                            out + (size_t)r * cols, &nan);
+    return (int64_t)nan;
+}

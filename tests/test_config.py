@@ -13,7 +13,7 @@ import pytest
 from k3engine.config import ModelConfig, load_config, parse_config
 from k3engine.errors import CheckpointError, ConfigError
 
-REFERENCE = Path("/work/shared/reference/kimi-k3")
+from reference import REFERENCE
 REAL: dict[str, Any] = json.loads((REFERENCE / "config.json").read_text())
 
 Mutation = Callable[[dict[str, Any]], None]

@@ -14,7 +14,9 @@ import pytest
 
 from k3engine import mxfp4
 
-SAMPLE = Path("/work/shared/reference/kimi-k3/mxfp4-layer1-expert0-w1.json")
+from reference import REFERENCE
+
+SAMPLE = REFERENCE / "mxfp4-layer1-expert0-w1.json"
 
 
 @lru_cache(maxsize=1)

@@ -16,7 +16,7 @@ import pytest
 
 from k3engine import oracle as orc
 
-REAL_CONFIG_DIR = Path("/work/shared/reference/kimi-k3")
+from reference import REFERENCE as REAL_CONFIG_DIR
 
 
 def _sig(x: float) -> float:

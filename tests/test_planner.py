@@ -23,7 +23,7 @@ from k3engine.config import load_config
 from k3engine.errors import CheckpointError
 from k3engine.safetensors_io import INDEX_NAME, open_checkpoint
 
-REF = Path("/work/shared/reference/kimi-k3")
+from reference import REFERENCE as REF
 # Spec section 7 (as stored) and section 6.
 K3_TRUNK = 108_811_694_848
 K3_EMBED_LM_HEAD = 4_697_620_480

@@ -27,7 +27,7 @@ from k3engine.errors import TensorSetError
 from k3engine.safetensors_io import (DTYPE_SIZES, INDEX_NAME, open_checkpoint,
                                      strict_json_loads)
 
-REFERENCE = Path("/work/shared/reference/kimi-k3")
+from reference import REFERENCE
 N_LAYERS = 93
 MLA = set(range(3, 88, 4)) | {91, 92}
 

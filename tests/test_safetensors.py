@@ -360,7 +360,9 @@ def test_no_checkpoint_or_both_kinds_refused(tmp_path: Path) -> None:
 # Catalogue binding and contiguity on a tiny model (spec 9.1 dimensions)
 # ---------------------------------------------------------------------------------------
 
-REAL_CONFIG = json.loads(Path("/work/shared/reference/kimi-k3/config.json").read_text())
+from reference import REFERENCE
+
+REAL_CONFIG = json.loads((REFERENCE / "config.json").read_text())
 
 
 def tiny_config() -> ModelConfig:

@@ -334,13 +334,11 @@ def test_tiny_config_matches_spec_9_1(tiny_dirs: dict[str, Path]) -> None:
     assert la == {"full_attn_layers": [4, 8, 12, 13], "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
                   "gate_lower_bound": -5.0, "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
                   "use_full_rank_gate": True}
-    real = Path(__file__).resolve().parents[2] / "shared/reference/kimi-k3/config.json"
-    if not real.exists():
-        real = Path("/work/shared/reference/kimi-k3/config.json")
-    if real.exists():
-        r = json.loads(real.read_text())
-        assert t["quantization_config"] == r["text_config"]["quantization_config"]
-        assert set(t) == set(r["text_config"]) and set(cfg) == set(r) and set(cfg["vision_config"]) == set(r["vision_config"])
+    from reference import REFERENCE
+
+    r = json.loads((REFERENCE / "config.json").read_text())
+    assert t["quantization_config"] == r["text_config"]["quantization_config"]
+    assert set(t) == set(r["text_config"]) and set(cfg) == set(r) and set(cfg["vision_config"]) == set(r["vision_config"])
 
 
 def test_tiny_tensor_dtypes_shapes_and_init(tiny_dirs: dict[str, Path]) -> None:
