@@ -1013,10 +1013,11 @@ def _parser() -> argparse.ArgumentParser:
                          "or auto (default)")
     ap.add_argument("--context", type=_context_arg, default=DEFAULT_CONTEXT,
                     help=f"tokens of context to size the session for (default {DEFAULT_CONTEXT})")
-    ap.add_argument("--lookahead", type=_lookahead_arg, default=0,
+    ap.add_argument("--lookahead", type=_lookahead_arg, default=None,
                     help="router lookahead the engine will run with: experts per token "
-                         "prefetched for the next layer (default 0, off); when on, the "
-                         "routers of streamed layers stay resident")
+                         "prefetched for the next layer (default: the model's top-k, as "
+                         "`k3chat run` does; 0 = off); when on, the routers of streamed "
+                         "layers stay resident")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -1043,7 +1044,7 @@ def main_plan(argv: Sequence[str]) -> int:
         # `auto` is derived from the machine, so checking it against the machine is moot.
         plan = make_plan(cfg, ts, budget, args.context,
                          check_machine=check and not sz.is_auto(args.memory),
-                         lookahead=args.lookahead)
+                         lookahead=cfg.top_k if args.lookahead is None else args.lookahead)
     except (sz.MemorySizeError, CheckpointError, PlanError, OSError) as exc:
         print(f"k3chat plan: {exc}", file=sys.stderr)
         if isinstance(exc, PlanError) and exc.machine_limit is not None:
