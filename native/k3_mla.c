@@ -27,11 +27,20 @@ typedef struct {
     int pos0, ntok, simd;
 } mla_job;
 
-static float mla_w(const kk_mat *w, int r, int col) {
-    size_t i = (size_t)r * w->cols + col;
-    if (w->dtype == K3_DT_BF16) return kk_bf16_to_f32(((const uint16_t *)w->data)[i]);
-    if (w->dtype == K3_DT_F16) return kk_f16_to_f32(((const uint16_t *)w->data)[i]);
-    return ((const float *)w->data)[i];
+/* acc[x] += W[r][x] * a over one row: element-wise, so vectorising it moves no bits. */
+static void mla_axpy_row(const kk_mat *w, int r, float a, float *acc) {
+    size_t off = (size_t)r * w->cols;
+    int n = w->cols;
+    if (w->dtype == K3_DT_BF16) {
+        const uint16_t *p = (const uint16_t *)w->data + off;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + kk_bf16_to_f32(p[x]) * a;
+    } else if (w->dtype == K3_DT_F16) {
+        const uint16_t *p = (const uint16_t *)w->data + off;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + kk_f16_to_f32(p[x]) * a;
+    } else {
+        const float *p = (const float *)w->data + off;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + p[x] * a;
+    }
 }
 
 static void mla_heads(void *vctx, int hb, int he) {
@@ -50,8 +59,7 @@ static void mla_heads(void *vctx, int hb, int he) {
             const float *q = j->q + (size_t)t * c->mla_heads * dqk + (size_t)h * dqk;
             /* absorb W_kb^h into the query: qabs = W_kb^h^T q_nope, d ascending */
             for (int x = 0; x < R; x++) qabs[x] = 0.0f;
-            for (int d = 0; d < dn; d++)
-                for (int x = 0; x < R; x++) qabs[x] = qabs[x] + mla_w(kvb, kb0 + d, x) * q[d];
+            for (int d = 0; d < dn; d++) mla_axpy_row(kvb, kb0 + d, q[d], qabs);
             int last = j->pos0 + t; /* causal: s <= t, including t */
             float mx = -INFINITY;
             for (int s = 0; s <= last; s++) {
