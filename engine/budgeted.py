@@ -13,7 +13,8 @@ from pathlib import Path
 from . import sizes as sz
 from .config import load_config
 from .model import Model, StreamOptions
-from .planner import DEFAULT_CONTEXT, Plan, make_plan, tensor_sizes_from_dir
+from .planner import (DEFAULT_CONTEXT, Plan, make_plan, make_plan_default_lookahead,
+                      tensor_sizes_from_dir)
 
 __all__ = ["OpenedModel", "open_budgeted", "ALL_RESIDENT"]
 
@@ -33,19 +34,23 @@ def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
                   check_machine: bool = True) -> OpenedModel:
     """Plan `memory` for `context` tokens and open the model with that plan.
 
-    lookahead None means the model's top-k (on by default: `k3chat bench` measured it
-    1.5x faster with the trunk resident); 0 turns it off. Raises PlanError (with the
-    numbers) when the budget cannot hold the model, MemorySizeError for a bad string.
+    lookahead None is k3chat's default: the model's top-k when the trunk is resident, off
+    when it streams (see planner.make_plan_default_lookahead for the measurements); 0 turns
+    it off. Raises PlanError (with the numbers) when the budget cannot hold the model,
+    MemorySizeError for a bad string.
     """
     cfg = load_config(model_dir)
-    width = cfg.top_k if lookahead is None else int(lookahead)
-    if width < 0:
-        raise ValueError(f"lookahead must be >= 0, got {width}")
+    if lookahead is not None and lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
     if memory == ALL_RESIDENT:
-        opts = StreamOptions(lookahead=width)
+        opts = StreamOptions(lookahead=cfg.top_k if lookahead is None else int(lookahead))
         return OpenedModel(Model(model_dir, threads=threads, scalar=scalar, streaming=opts), None, opts)
     budget = sz.parse_memory(memory)
-    plan = make_plan(cfg, tensor_sizes_from_dir(model_dir, cfg), budget, context,
-                     check_machine=check_machine and not sz.is_auto(memory), lookahead=width)
+    ts = tensor_sizes_from_dir(model_dir, cfg)
+    machine = check_machine and not sz.is_auto(memory)
+    if lookahead is None:
+        plan = make_plan_default_lookahead(cfg, ts, budget, context, check_machine=machine)
+    else:
+        plan = make_plan(cfg, ts, budget, context, check_machine=machine, lookahead=int(lookahead))
     opts = plan.stream_options()
     return OpenedModel(Model(model_dir, threads=threads, scalar=scalar, streaming=opts), plan, opts)

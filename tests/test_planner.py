@@ -676,3 +676,13 @@ def test_planner_does_not_need_the_built_engine() -> None:
     code = ("import sys; sys.modules['k3engine._k3'] = None; import k3engine.planner; "
             "assert 'k3engine.model' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("gib,want", [(256, 16), (64, 0), (8, 0)])
+def test_default_lookahead_is_on_only_with_a_resident_trunk(k3, gib: int, want: int) -> None:
+    cfg, ts = k3
+    plan = pl.make_plan_default_lookahead(cfg, ts, gib * sz.GiB, 8192, check_machine=False)
+    assert plan.lookahead == want
+    assert plan.trunk_resident == (want > 0)
+    if want == 0:  # no routers held for a lookahead that is off
+        assert plan.router_bytes == 0
