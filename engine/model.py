@@ -9,6 +9,7 @@ per handle keeps calls on a handle serial.
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import weakref
@@ -145,13 +146,14 @@ class Model:
         self.config: ModelConfig = load_config(self.dir)
         self.checkpoint: Checkpoint = open_checkpoint(self.dir)
         bind(self.config, self.checkpoint)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # one engine call at a time
+        self._life = threading.Lock()   # quick reads (stats) against close
         shards = self.checkpoint.shards
         shard_ix = {s: i for i, s in enumerate(shards)}
         keep: list[Any] = []
         paths = ffi.new("char *[]", len(shards))
         for i, s in enumerate(shards):
-            p = ffi.new("char[]", str(self.checkpoint.path(s)).encode())
+            p = ffi.new("char[]", os.fsencode(self.checkpoint.path(s)))
             keep.append(p)
             paths[i] = p
         infos = list(self.checkpoint.tensors.values())
@@ -215,7 +217,8 @@ class Model:
     @property
     def simd_active(self) -> bool:
         _, lib = _lib()
-        return bool(lib.k3_model_simd_active(self._handle()))
+        with self._life:
+            return bool(lib.k3_model_simd_active(self._handle()))
 
     @property
     def vocab(self) -> int:
@@ -227,7 +230,8 @@ class Model:
         Per-token figures are differences of two calls (see `stats_delta`)."""
         ffi, lib = _lib()
         st = ffi.new("k3_stats *")
-        lib.k3_model_stats(self._handle(), st)
+        with self._life:  # not the call lock: a status bar reads these while a token computes
+            lib.k3_model_stats(self._handle(), st)
         out = {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return out
@@ -256,7 +260,7 @@ class Model:
         ffi, lib = _lib()
         for s in list(self._sessions):
             s.close()
-        with self._lock:
+        with self._lock, self._life:  # waits for a running call and for quick readers
             if self._h is not None:
                 ffi.release(self._h)
                 self._h = None
@@ -286,7 +290,8 @@ class Session:
                 _raise(rc, ffi.string(lib.k3_model_error(model._h)).decode(errors="replace"))
             self._h = ffi.gc(out[0], lib.k3_session_free)
             model._sessions.add(self)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # one engine call at a time
+        self._life = threading.Lock()   # quick reads against close
 
     def _hs(self) -> Any:
         if self._h is None:
@@ -298,27 +303,33 @@ class Session:
         if rc:
             _raise(rc, ffi.string(lib.k3_session_error(self._h)).decode(errors="replace"))
 
+    # Quick reads take only the lifetime lock, so they never wait for a running feed; read
+    # during a feed they give the value before or after the chunk in flight.
     @property
     def length(self) -> int:
         _, lib = _lib()
-        return int(lib.k3_session_length(self._hs()))
+        with self._life:
+            return int(lib.k3_session_length(self._hs()))
 
     @property
     def capacity(self) -> int:
         _, lib = _lib()
-        return int(lib.k3_session_capacity(self._hs()))
+        with self._life:
+            return int(lib.k3_session_capacity(self._hs()))
 
     @property
     def tainted(self) -> bool:
         _, lib = _lib()
-        return bool(lib.k3_session_tainted(self._hs()))
+        with self._life:
+            return bool(lib.k3_session_tainted(self._hs()))
 
     @property
     def ids(self) -> list[int]:
         ffi, lib = _lib()
-        n = self.length
-        buf = ffi.new("int32_t[]", max(n, 1))
-        got = lib.k3_session_ids(self._hs(), buf, n)
+        with self._lock, self._life:
+            n = int(lib.k3_session_length(self._hs()))
+            buf = ffi.new("int32_t[]", max(n, 1))
+            got = lib.k3_session_ids(self._hs(), buf, n)
         return [int(buf[i]) for i in range(got)]
 
     def reset(self) -> None:
@@ -380,7 +391,7 @@ class Session:
 
     def close(self) -> None:
         ffi, _ = _lib()
-        with self._lock:
+        with self._lock, self._life:
             if self._h is not None:
                 ffi.release(self._h)
                 self._h = None

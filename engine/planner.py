@@ -16,8 +16,9 @@ same budget):
    every layer widened to fp32 (norms, AttnRes, conv, A_log, dt_bias, router biases: the
    engine keeps them even for streamed layers); the session state for the requested context
    (KDA state is fixed; the MLA latent cache grows by (kv_lora + rope) x 4 B per position
-   per MLA layer), one turn snapshot of the KDA state, work buffers (an estimate for a
-   prefill chunk of 64 tokens) and I/O staging buffers.
+   per MLA layer), one turn snapshot (the engine's whole state export at the context, as
+   k3_session_snapshot copies it: a 40 B header, the token ids, the KDA state and every MLA
+   row), work buffers (an estimate for a prefill chunk of 64 tokens) and I/O staging buffers.
 2. **Trunk** (its matrices: every 2-D tensor with both dims > 1, which are exactly the
    tensors the engine binds as matrices): all resident if it fits
    (with the minimum expert cache beside it). Otherwise the largest layers are pinned and
@@ -36,25 +37,29 @@ run, or lm_head read and copied, before the ring and expert slots exist). A budg
 what the machine can hold without swapping is refused unless `check_machine=False`.
 
 Presets for the real Kimi K3 (its config.json and index; context 8,192 tokens, one turn
-snapshot, lookahead 0; GiB throughout; "streamed" is trunk read per token, "cold read" adds
-every MoE layer's top-16 experts with an empty cache; ring slots: a KDA layer's attention
-unit, 887,164,928 B):
+snapshot, the default lookahead of `k3chat plan`: top-k 16 with the trunk resident, else 0;
+GiB throughout; "streamed" is trunk read per token, "cold read" adds every MoE layer's
+top-16 experts with an empty cache; ring slots: layer 0's FFN unit, 1,453,330,432 B, while
+layer 0 streams, else a KDA layer's attention unit, 887,164,928 B):
 
-| preset | budget | floor | pinned | streamed | ring | expert cache | total | cold read/token |
-|---|---|---|---|---|---|---|---|---|
-| small  | 8G   | 3.59 (rows streamed) | layer 0, 2.18 | 92 layers, 99.11 | 2 x 0.83 | 35 slots, 0.57 | 8.00 | 123.17 |
-| medium | 16G  | 3.59 (rows streamed) | 8 layers (0-2, 4-6, 8-9), 10.44 | 85 layers, 90.85 | 2 x 0.83 | 19 slots, 0.31 | 15.99 | 114.91 |
-| large  | 64G  | 3.59 (rows streamed) | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 | 68 slots, 1.11 | 63.99 | 67.71 |
-| huge   | 256G | 5.78 (table held) | all 93 layers, 101.29 | none | none | 9,109 slots, 148.93 | 256.00 | 24.06 |
+| preset | budget | floor | pinned | streamed | ring | expert cache | lookahead | total | cold read/token |
+|---|---|---|---|---|---|---|---|---|---|
+| small  | 8G   | 4.01 (rows streamed) | none | 93 layers, 101.29 | 2 x 1.35 (layer 0 FFN) | 78 slots, 1.28 | 0 | 7.99 | 125.35 |
+| medium | 16G  | 4.01 (rows streamed) | 7 layers (0-2, 4-6, 8), 9.26 | 86 layers, 92.03 | 2 x 0.83 (KDA attention) | 65 slots, 1.06 | 0 | 15.99 | 116.09 |
+| large  | 64G  | 4.01 (rows streamed) | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 (KDA attention) | 42 slots, 0.69 | 0 | 63.99 | 67.71 |
+| huge   | 256G | 6.20 (table held) | all 93 layers, 101.29 | none | none | 9,083 slots, 148.51 | 16 | 255.99 | 24.06 |
 
-Floor at 8,192 tokens: lm_head 2.19 + KDA state 0.43 + snapshot 0.43 + MLA cache 0.42 + layer
-vectors 0.06 + work 0.05 + staging 0.01 = 3.59, plus the embedding table 2.19 when the trunk
-is resident. Streaming layer 0 would need ring slots for its dense FFN unit (3 x 33,792 x
-7,168 x 2 B = 1.35 GiB each), so the smallest plan streams every layer: 6.58 GiB at 8K
-(floor 3.59 + ring 2 x 1.35 + 17 expert slots 0.28); 6.15 at 1 token, 7.85 at 32K, 12.93 at
-128K. 8G holds at most 35,723 tokens and 16G 190,352. Lookahead adds 92 routers (1.10 GiB)
-to the smallest plan. A resident trunk needs 105.73 GiB (rows streamed) and the embedding
-table joins it from 107.92 GiB (the peak while lm_head is read and copied at open binds).
+Floor at 8,192 tokens: lm_head 2.19 + KDA state 0.43 + snapshot 0.85 (KDA state 0.43 + MLA
+rows 0.42 + ids 32 KiB + header) + MLA cache 0.42 + layer vectors 0.06 + work 0.05 + staging
+0.01 = 4.01, plus the embedding table 2.19 when the trunk is resident. The smallest plan
+streams every layer, through ring slots for layer 0's dense FFN unit (3 x 33,792 x 7,168 x
+2 B = 1.35 GiB each): 7.00 GiB at 8K (floor 4.01 + ring 2 x 1.35 + 17 expert slots 0.28);
+6.15 at 1 token, 9.53 at 32K, 19.68 at 128K. Pinning layer 0 (2.18) shrinks the slots to a
+KDA attention unit (0.83) and first fits at 8.12 GiB (8K), so 8G streams every layer. 8G
+holds at most 17,902 tokens and 16G 95,392. Lookahead adds 92 routers (1.10 GiB) to the
+smallest plan (8.10 at 8K). A resident trunk needs 105.73 GiB (rows streamed) and the
+embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
+binds).
 
 (`python -m k3engine.planner DIR --memory large --no-machine-check` prints any of these in
 full on any machine.)
@@ -422,6 +427,15 @@ def embed_row_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
     return ts.embed // cfg.vocab
 
 
+STATE_HEADER = 40  # k3_state.c: ten 32-bit words before the ids
+
+
+def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
+    """One turn-boundary snapshot at `context` positions (k3_session_snapshot copies the
+    full export: header, ids, every KDA state and conv history, every MLA row)."""
+    return STATE_HEADER + context * (4 + mla_bytes_per_position(cfg)) + kda_state_bytes(cfg)
+
+
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
            embed_stream: bool) -> _Floor:
     """Everything resident whatever the trunk layout (given the embedding choice).
@@ -435,7 +449,8 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
         "output norms (fp32)": ts.model_vectors,
         "layer vectors (fp32)": sum(ts.layer_vectors),
         "KDA state": state,
-        "turn snapshots": snapshots * state,
+        # a snapshot is the engine's whole state export: ids, KDA state and MLA rows
+        "turn snapshots": snapshots * snapshot_bytes(cfg, context),
         "MLA latent cache": context * mla_bytes_per_position(cfg),
         "work buffers": sum(work_buffer_parts(cfg, context).values()),
         "I/O staging": IO_READERS * STAGING_PER_READER,
@@ -624,7 +639,7 @@ def _render_table(p: Plan) -> str:
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
              "work buffers": f"estimate, prefill chunk of {p.prefill_chunk} tokens",
-             "turn snapshots": f"{p.snapshots} x KDA state",
+             "turn snapshots": f"{p.snapshots} x (KDA state + MLA rows + ids at the context)",
              "KDA state": "fixed, whatever the context",
              "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB"}
     lines += [_row(k, v, notes.get(k, "")) for k, v in p.floor_parts.items()]

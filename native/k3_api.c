@@ -38,13 +38,17 @@ int k3_model_set_scalar(k3_model *m, int32_t on) {
 int32_t k3_model_simd_active(const k3_model *m) { return m->simd_available && !m->force_scalar; }
 
 int k3_model_stats(const k3_model *m, k3_stats *out) {
-    *out = m->stats;
+    /* counters are bumped by reader threads: copy each with an atomic load */
+    const uint64_t *src = (const uint64_t *)(const void *)&m->stats;
+    uint64_t *dst = (uint64_t *)(void *)out;
+    for (size_t i = 0; i < sizeof(k3_stats) / sizeof(uint64_t); i++) dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
     return K3_OK;
 }
 
 int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind) {
-    m->fault_layer = layer;
-    m->fault_expert = expert;
+    __atomic_store_n(&m->fault_kind, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&m->fault_layer, layer, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&m->fault_expert, expert, __ATOMIC_SEQ_CST);
     __atomic_store_n(&m->fault_kind, kind, __ATOMIC_SEQ_CST);
     return K3_OK;
 }
@@ -59,7 +63,7 @@ int k3_model_forward(k3_model *m, const int32_t *ids, int32_t n, float *logits_a
     int rc = ks_alloc(m, &st, n, shared_kda_slot != 0);
     if (rc == K3_OK) rc = km_forward(m, &st, ids, n, NULL, logits_all, NULL, m->err, sizeof m->err);
     else km_set_err(m->err, sizeof m->err, "out of memory for the state of %d positions", n);
-    ks_free(m, &st);
+    ks_free(&st);
     return rc;
 }
 
@@ -73,7 +77,7 @@ int k3_session_create(k3_model *m, int32_t max_positions, k3_session **out) {
     if (!s) return K3_ERR_NOMEM;
     s->m = m;
     if (ks_alloc(m, &s->st, max_positions, 0) != K3_OK) {
-        ks_free(m, &s->st);
+        ks_free(&s->st);
         free(s);
         km_set_err(m->err, sizeof m->err, "out of memory for a session of %d positions", max_positions);
         return K3_ERR_NOMEM;
@@ -86,7 +90,7 @@ void k3_session_free(k3_session *s) {
     if (!s) return;
     for (int i = 0; i < s->n_snaps; i++) free(s->snaps[i].buf);
     free(s->snaps);
-    ks_free(s->m, &s->st);
+    ks_free(&s->st);
     free(s);
 }
 

@@ -11,6 +11,10 @@
 #include <stddef.h>
 #include "k3.h"
 
+/* The spec fixes these norms' epsilon at 1e-5 whatever rms_norm_eps says: AttnRes keys,
+ * KDA o_norm and the routed-expert norm (spec 5.2). */
+#define K3_EPS_FIXED 1e-5f
+
 /* ---------------- thread pool (k3_pool.c) ---------------- */
 typedef void (*kp_fn)(void *ctx, int begin, int end);
 /* Runs fn over [0, n) split into at most nthreads contiguous ranges. Results must not
@@ -176,10 +180,11 @@ typedef struct ks_state {
     float **kda_conv;  /* [n_kda] -> [3 * P * (K-1)] (q, k, v) */
     float **mla_rows;  /* [n_mla] -> [cap * (kv_lora + rope)] */
     int shared_slot;   /* kda_s/kda_conv have one entry used by every KDA layer */
+    int n_kda_slots, n_mla_slots; /* what was allocated: freeing never reads the model */
 } ks_state;
 
 int ks_alloc(const k3_model *m, ks_state *st, int32_t cap, int shared_slot);
-void ks_free(const k3_model *m, ks_state *st);
+void ks_free(ks_state *st);
 void ks_zero(const k3_model *m, ks_state *st);
 uint64_t ks_export_size(const k3_model *m, const ks_state *st);
 void ks_export(const k3_model *m, const ks_state *st, void *buf);
@@ -196,8 +201,8 @@ void km_kk_ctx(const k3_model *m, kk_ctx *c);
 void kda_forward(const k3_model *m, const km_layer *ly, float *S, float *conv, const float *xn,
                  int ntok, float *out, float *scratch);
 size_t kda_scratch_floats(const k3_config *c, int ntok);
-void mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
-                 int ntok, float *out, float *scratch);
+int mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
+                int ntok, float *out, float *scratch);
 size_t mla_scratch_floats(const k3_config *c, int ntok, int npos);
 int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok, float *out,
                 float *scratch, char *err, size_t errlen);

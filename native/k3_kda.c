@@ -87,7 +87,7 @@ static void kda_heads(void *vctx, int hb, int he) {
             }
             /* per-head norm, then the gate */
             float *y = j->y + (size_t)t * P + h * D;
-            kk_rmsnorm(o, j->ly->o_norm, D, c->rms_eps, y, j->simd);
+            kk_rmsnorm(o, j->ly->o_norm, D, K3_EPS_FIXED, y, j->simd);
             const float *g = j->g + (size_t)t * P + h * D;
             for (int d = 0; d < D; d++) y[d] = y[d] * kk_sigmoid(g[d]);
         }

@@ -296,9 +296,7 @@ static void kk_mx_rows(void *vctx, int b, int e) {
         return;
     }
 #endif
-    float stackbuf[4096];
-    float *row = j->cols <= 4096 ? stackbuf : (float *)malloc(sizeof(float) * j->cols);
-    if (!row) abort(); /* cols is bounded by the config; tiny allocation */
+    float row[16384]; /* km_check_config caps latent and expert widths at 16384 */
     for (int r = b; r < e; r++) {
 #ifdef K3_X86
         if (j->simd)
@@ -309,7 +307,6 @@ static void kk_mx_rows(void *vctx, int b, int e) {
         for (int t = 0; t < j->ntok; t++)
             j->Y[(size_t)t * j->ldy + r] = kk_dot(row, j->X + (size_t)t * j->ldx, j->cols, j->simd);
     }
-    if (row != stackbuf) free(row);
 }
 
 void kk_mxfp4_matmul(const kk_ctx *c, const uint8_t *packed, const uint8_t *scales, int rows,

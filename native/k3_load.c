@@ -94,6 +94,7 @@ typedef struct {
     char *err;
     size_t errlen;
     int failed;
+    int io_failed;    /* the failure was a read, not a bad tensor */
     kr_unit *stream;  /* non-NULL: record matrices for the ring instead of reading them */
     kr_unit *units;   /* the layer's two units when it streams */
 } km_loader;
@@ -121,9 +122,10 @@ static const uint8_t *km_raw(km_loader *ld, const k3_tensor_desc *t, uint8_t **o
                    t->name, ld->m->shards[t->shard].path, (unsigned long long)t->offset,
                    (unsigned long long)t->nbytes, strerror(-rc));
         free(buf);
+        ld->io_failed = 1;
         return NULL;
     }
-    ld->m->stats.trunk_bytes_read += t->nbytes;
+    __atomic_add_fetch(&ld->m->stats.trunk_bytes_read, t->nbytes, __ATOMIC_RELAXED);
     *owned = buf;
     return buf;
 }
@@ -255,6 +257,13 @@ static int km_layer_of(const char *name) {
 static int km_read_run(km_loader *ld, int L, const k3_tensor_desc **trunk, int nt) {
     ld->run = NULL;
     if (nt == 0) return 0;
+    for (int i = 0; i < nt; i++)
+        if (trunk[i]->shard < 0 || trunk[i]->shard >= ld->m->n_shards ||
+            trunk[i]->offset > UINT64_MAX - trunk[i]->nbytes) {
+            km_set_err(ld->err, ld->errlen, "tensor %s: shard index or byte range out of bounds", trunk[i]->name);
+            ld->failed = 1;
+            return -1;
+        }
     qsort(trunk, (size_t)nt, sizeof(trunk[0]), km_cmp_desc_off);
     int shard = trunk[0]->shard, ok = 1;
     uint64_t end = trunk[0]->offset;
@@ -263,7 +272,7 @@ static int km_read_run(km_loader *ld, int L, const k3_tensor_desc **trunk, int n
         end = trunk[i]->offset + trunk[i]->nbytes;
     }
     if (!ok) {
-        ld->m->stats.trunk_fallback_reads++;
+        __atomic_add_fetch(&ld->m->stats.trunk_fallback_reads, 1, __ATOMIC_RELAXED);
         return 0;
     }
     uint64_t lo = trunk[0]->offset, len = end - lo;
@@ -285,8 +294,8 @@ static int km_read_run(km_loader *ld, int L, const k3_tensor_desc **trunk, int n
     ld->run_shard = shard;
     ld->run_lo = lo;
     ld->run_hi = end;
-    ld->m->stats.trunk_bytes_read += len;
-    ld->m->stats.trunk_run_reads++;
+    __atomic_add_fetch(&ld->m->stats.trunk_bytes_read, len, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&ld->m->stats.trunk_run_reads, 1, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -495,6 +504,10 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     for (int i = 0; i < n_shards; i++) m->shards[i].fd = -1;
     for (int i = 0; i < n_shards; i++) {
         m->shards[i].path = strdup(shard_paths[i]);
+        if (!m->shards[i].path) {
+            km_free_all(m);
+            return K3_ERR_NOMEM;
+        }
         m->shards[i].fd = open(shard_paths[i], O_RDONLY | O_CLOEXEC);
         if (m->shards[i].fd < 0) {
             km_set_err(err, errlen, "cannot open shard %s: %s", shard_paths[i], strerror(errno));
@@ -506,6 +519,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     int ir = km_index_build(&ix, tensors, n_tensors);
     if (ir != 0) {
         km_set_err(err, errlen, ir == -2 ? "tensor table has a duplicate name" : "out of memory");
+        free(ix.slots);
         km_free_all(m);
         return ir == -2 ? K3_ERR_INVALID : K3_ERR_NOMEM;
     }
@@ -532,12 +546,12 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         ly->is_moe = L >= cfg->first_dense;
         ly->kda_index = ly->is_mla ? -1 : kda++;
         ly->mla_index = ly->is_mla ? mla++ : -1;
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL, NULL};
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, 0, NULL, NULL};
         ly->streamed = m->opts.trunk_stream && !m->opts.pinned[L];
         if (ly->streamed) {
             ld.units = ly->su; /* small vectors are read one by one and stay resident */
         } else if (km_read_run(&ld, L, byl + count[L], count[L + 1] - count[L]) != 0) {
-            rc = K3_ERR_IO;
+            rc = ld.failed ? K3_ERR_INVALID : K3_ERR_IO;
             break;
         }
         km_bind_layer(m, &ld, L);
@@ -548,7 +562,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
             break;
         }
         if (ld.failed) {
-            rc = strstr(err, "read of") ? K3_ERR_IO : K3_ERR_INVALID;
+            rc = ld.io_failed ? K3_ERR_IO : K3_ERR_INVALID;
             break;
         }
         if (ly->is_moe) rc = km_bind_experts(m, &ix, L, err, errlen);
@@ -556,7 +570,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     m->n_kda = kda;
     m->n_mla = mla;
     if (rc == K3_OK) {
-        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, NULL, NULL};
+        km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, 0, NULL, NULL};
         int64_t E = cfg->hidden, vE[1] = {E}, es[2] = {cfg->vocab, E};
         if (m->opts.embed_stream) { /* a row gather: read each token's row when it is fed */
             const k3_tensor_desc *t = km_need(&ld, KM_PREFIX "embed_tokens.weight", 2, es, 1);
@@ -575,7 +589,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         m->final_norm = km_vec(&ld, KM_PREFIX "norm.weight", 1, vE);
         km_fold_res(m, &ld, KM_PREFIX "output_attn_res_norm.weight",
                     KM_PREFIX "output_attn_res_proj.weight", &m->out_res_u);
-        if (ld.failed) rc = strstr(err, "read of") ? K3_ERR_IO : K3_ERR_INVALID;
+        if (ld.failed) rc = ld.io_failed ? K3_ERR_IO : K3_ERR_INVALID;
     }
     free(count);
     free(byl);

@@ -24,6 +24,7 @@ typedef struct {
     const float *rows; /* cache rows [pos, W] */
     const float *q;    /* [ntok, H*dqk] */
     float *o;          /* [ntok, H*dv] */
+    float *work;       /* per head: qabs R + ctx R + scores npos */
     int pos0, ntok, simd;
 } mla_job;
 
@@ -50,10 +51,9 @@ static void mla_heads(void *vctx, int hb, int he) {
     int dqk = dn + dr, W = R + dr, npos = j->pos0 + j->ntok;
     float scale = 1.0f / sqrtf((float)dqk);
     const kk_mat *kvb = &j->ly->kv_b;
-    float *qabs = (float *)malloc(sizeof(float) * (size_t)(R + R + npos));
-    if (!qabs) abort(); /* bounded by the session capacity checked at create */
-    float *ctx = qabs + R, *p = ctx + R;
     for (int h = hb; h < he; h++) {
+        /* each head has its own work rows, so any split over threads is fine */
+        float *qabs = j->work + (size_t)h * (2 * R + npos), *ctx = qabs + R, *p = ctx + R;
         int kb0 = h * (dn + dv), vb0 = kb0 + dn;
         for (int t = 0; t < j->ntok; t++) {
             const float *q = j->q + (size_t)t * c->mla_heads * dqk + (size_t)h * dqk;
@@ -83,11 +83,10 @@ static void mla_heads(void *vctx, int hb, int he) {
             for (int d = 0; d < dv; d++) o[d] = kk_dot_row(kvb, vb0 + d, ctx, j->simd);
         }
     }
-    free(qabs);
 }
 
-void mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
-                 int ntok, float *out, float *scratch) {
+int mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
+                int ntok, float *out, float *scratch) {
     const k3_config *c = &m->cfg;
     int E = c->hidden, H = c->mla_heads, dqk = c->qk_nope_dim + c->qk_rope_dim;
     int rq = c->q_lora_rank, R = c->kv_lora_rank, dr = c->qk_rope_dim, W = R + dr;
@@ -108,10 +107,15 @@ void mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, c
         kk_rmsnorm(src, ly->kv_a_norm, R, 1e-6f, row, kc.simd);
         memcpy(row + R, src + R, sizeof(float) * (size_t)dr);
     }
-    mla_job j = {m, ly, rows, q, o, pos0, ntok, kc.simd};
+    size_t per_head = (size_t)2 * R + (size_t)pos0 + (size_t)ntok;
+    float *work = (float *)malloc(sizeof(float) * per_head * (size_t)H);
+    if (!work) return K3_ERR_NOMEM;
+    mla_job j = {m, ly, rows, q, o, work, pos0, ntok, kc.simd};
     kp_parallel_for(kc.nthreads, H, mla_heads, &j);
+    free(work);
     /* gate, then project; no norm */
     kk_matmul(&kc, &ly->g_proj_mla, xn, E, ntok, gate, H * dv);
     for (size_t i = 0; i < (size_t)ntok * H * dv; i++) gate[i] = kk_sigmoid(gate[i]) * o[i];
     kk_matmul(&kc, &ly->o_proj, gate, H * dv, ntok, out, E);
+    return K3_OK;
 }

@@ -25,7 +25,7 @@ static void km_attn_res(const k3_model *m, float *const *src, int n, const float
         float mx = -INFINITY;
         for (int s = 0; s < n; s++) {
             const float *v = src[s] + (size_t)t * E;
-            float inv = 1.0f / sqrtf(kk_dot(v, v, E, simd) / (float)E + m->cfg.rms_eps);
+            float inv = 1.0f / sqrtf(kk_dot(v, v, E, simd) / (float)E + K3_EPS_FIXED);
             z[s] = kk_dot(v, u, E, simd) * inv;
             if (z[s] > mx) mx = z[s];
         }
@@ -135,7 +135,8 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
             kk_rmsnorm(x + (size_t)t * E, ly->input_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
         if (ly->streamed && (rc = kr_acquire(m->ring, L, KR_ATTN, err, errlen)) != K3_OK) break;
         if (ly->is_mla) {
-            mla_forward(m, ly, st->mla_rows[ly->mla_index], st->len, xn, ntok, a, scratch);
+            rc = mla_forward(m, ly, st->mla_rows[ly->mla_index], st->len, xn, ntok, a, scratch);
+            if (rc != K3_OK) km_set_err(err, errlen, "out of memory in the attention of layer %d", L);
         } else {
             int slot = st->shared_slot ? 0 : ly->kda_index;
             if (st->shared_slot) { /* one scratch slot, re-zeroed for every KDA layer */
@@ -215,7 +216,7 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         if (rc != K3_OK) return rc;
         memcpy(st->ids + st->len, ids + done, sizeof(int32_t) * cn);
         st->len += cn;
-        m->stats.tokens_fed += (uint64_t)cn;
+        __atomic_add_fetch(&m->stats.tokens_fed, (uint64_t)cn, __ATOMIC_RELAXED);
         done += cn;
     }
     return K3_OK;

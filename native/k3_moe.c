@@ -156,7 +156,7 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
             /* each (token, slot) product is kept apart: arrival order never moves bits */
             for (int i = 0; i < n; i++)
                 memcpy(he + ((size_t)tok[i] * k + slot[i]) * l, ho + (size_t)i * l, sizeof(float) * l);
-            m->stats.expert_uses += (uint64_t)n;
+            __atomic_add_fetch(&m->stats.expert_uses, (uint64_t)n, __ATOMIC_RELAXED);
             (void)t0;
         }
         kx_end(m->store);
@@ -175,7 +175,7 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
             float w = wts[t * k + j];
             for (int x = 0; x < l; x++) ut[x] = ut[x] + w * h[x];
         }
-        kk_rmsnorm(ut, ly->lat_norm, l, c->rms_eps, un + t * l, kc.simd);
+        kk_rmsnorm(ut, ly->lat_norm, l, K3_EPS_FIXED, un + t * l, kc.simd);
     }
     kk_matmul(&kc, &ly->lat_up, un, l, ntok, r, E);
     kk_glu(&kc, c, &ly->sh_gate, &ly->sh_up, &ly->sh_down, xn, E, ntok, out, E, shs);

@@ -5,10 +5,11 @@
  * the largest unit, not the largest layer).  A reader thread walks the units in forward
  * order, cyclically, and fills slot (load mod slots) as soon as compute has released it,
  * so it runs up to slots-1 units ahead.  Compute takes loads in the same order; if a pass
- * ended early (an error or a cancel), loads it skipped are drained until the wanted unit
- * comes up.
+ * ended early (an error or a cancel), the ring is reset to the wanted unit: a generation
+ * counter makes the reader drop whatever it was reading for the old order.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,8 @@ struct kr_ring {
     int *seq;       /* streamed units in forward order: L * 2 + unit */
     int nseq;
     uint64_t produced, consumed;
+    uint64_t gen;   /* bumped by a reset; a read begun under an older one is dropped */
+    int *pos_of;    /* unit (L * 2 + u) -> its position in seq, or -1 */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pthread_t reader;
@@ -93,6 +96,10 @@ static int kr_fill(kr_ring *r, int L, int unit, uint8_t *buf, char *err, size_t 
             return K3_ERR_IO;
         }
         __atomic_add_fetch(&m->stats.trunk_bytes_read, rd->len, __ATOMIC_RELAXED);
+#ifdef POSIX_FADV_DONTNEED
+        /* streamed bytes are read again next pass from disk, not held twice in RAM */
+        if (m->opts.direct_io) posix_fadvise(m->shards[rd->shard].fd, (off_t)rd->off, (off_t)rd->len, POSIX_FADV_DONTNEED);
+#endif
     }
     __atomic_add_fetch(&m->stats.trunk_stream_reads, 1, __ATOMIC_RELAXED);
     return K3_OK;
@@ -105,13 +112,14 @@ static void *kr_reader(void *arg) {
     for (;;) {
         while (!r->stop && r->produced - r->consumed >= (uint64_t)r->nslots) pthread_cond_wait(&r->cv, &r->mu);
         if (r->stop) break;
-        uint64_t p = r->produced;
+        uint64_t p = r->produced, gen = r->gen;
         kr_slot *s = &r->slots[p % (uint64_t)r->nslots];
         int unit = r->seq[p % (uint64_t)r->nseq];
         pthread_mutex_unlock(&r->mu);
         err[0] = 0;
         int rc = kr_fill(r, unit / 2, unit % 2, s->buf, err, sizeof err);
         pthread_mutex_lock(&r->mu);
+        if (gen != r->gen) continue; /* reset while reading: this load is for the old order */
         s->load = p;
         s->state = rc == K3_OK ? 1 : 2;
         if (rc != K3_OK) snprintf(s->err, sizeof s->err, "%s", err);
@@ -127,28 +135,33 @@ int kr_acquire(kr_ring *r, int L, int unit, char *err, size_t errlen) {
     pthread_mutex_lock(&r->mu);
     for (;;) {
         uint64_t c = r->consumed;
-        while (r->produced <= c) pthread_cond_wait(&r->cv, &r->mu);
-        kr_slot *s = &r->slots[c % (uint64_t)r->nslots];
-        int want = r->seq[c % (uint64_t)r->nseq];
-        if (want != L * 2 + unit) { /* a pass ended early: skip the load it never used */
-            s->state = 0;
-            r->consumed = c + 1;
+        if (r->seq[c % (uint64_t)r->nseq] != L * 2 + unit) {
+            /* a pass ended early: restart the cycle at the wanted unit without reading
+             * the units that pass skipped */
+            uint64_t pos = (uint64_t)r->pos_of[L * 2 + unit], n = (uint64_t)r->nseq;
+            uint64_t next = c + (pos + n - c % n) % n;
+            r->gen++;
+            r->consumed = r->produced = next;
+            for (int i = 0; i < r->nslots; i++) r->slots[i].state = 0;
             pthread_cond_broadcast(&r->cv);
             continue;
         }
+        while (r->produced <= c) pthread_cond_wait(&r->cv, &r->mu);
+        if (r->consumed != c) continue; /* reset meanwhile */
+        kr_slot *s = &r->slots[c % (uint64_t)r->nslots];
         if (s->state == 2) {
             km_set_err(err, errlen, "%s", s->err);
             s->state = 0;
             r->consumed = c + 1; /* the reader will load this unit again next cycle */
             pthread_cond_broadcast(&r->cv);
             pthread_mutex_unlock(&r->mu);
-            r->m->stats.io_wait_ns += km_now_ns() - t0;
+            __atomic_add_fetch(&r->m->stats.io_wait_ns, km_now_ns() - t0, __ATOMIC_RELAXED);
             return K3_ERR_IO;
         }
         const kr_unit *u = &r->m->layers[L].su[unit];
         for (int i = 0; i < u->n; i++) u->e[i].dst->data = s->buf + u->e[i].slot_off;
         pthread_mutex_unlock(&r->mu);
-        r->m->stats.io_wait_ns += km_now_ns() - t0;
+        __atomic_add_fetch(&r->m->stats.io_wait_ns, km_now_ns() - t0, __ATOMIC_RELAXED);
         return K3_OK;
     }
 }
@@ -175,6 +188,7 @@ void kr_ring_destroy(kr_ring *r) {
     for (int i = 0; i < r->nslots; i++) free(r->slots[i].buf);
     free(r->slots);
     free(r->seq);
+    free(r->pos_of);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r);
@@ -205,14 +219,19 @@ int kr_ring_create(k3_model *m, char *err, size_t errlen) {
     r->nseq = n;
     r->slots = (kr_slot *)calloc((size_t)nslots, sizeof(kr_slot));
     r->seq = (int *)malloc(sizeof(int) * (size_t)n);
-    if (!r->slots || !r->seq) {
+    r->pos_of = (int *)malloc(sizeof(int) * (size_t)c->n_layers * 2);
+    if (!r->slots || !r->seq || !r->pos_of) {
         kr_ring_destroy(r);
         return K3_ERR_NOMEM;
     }
     n = 0;
+    for (int i = 0; i < c->n_layers * 2; i++) r->pos_of[i] = -1;
     for (int L = 0; L < c->n_layers; L++)
         if (m->layers[L].streamed)
-            for (int u = 0; u < 2; u++) r->seq[n++] = L * 2 + u;
+            for (int u = 0; u < 2; u++) {
+                r->pos_of[L * 2 + u] = n;
+                r->seq[n++] = L * 2 + u;
+            }
     for (int i = 0; i < nslots; i++)
         if (posix_memalign((void **)&r->slots[i].buf, 4096, biggest ? biggest : 64) != 0) {
             r->slots[i].buf = NULL;

@@ -29,6 +29,8 @@ int ks_alloc(const k3_model *m, ks_state *st, int32_t cap, int shared_slot) {
     st->cap = cap;
     st->shared_slot = shared_slot;
     int nk = shared_slot ? (m->n_kda > 0) : m->n_kda;
+    st->n_kda_slots = nk;
+    st->n_mla_slots = m->n_mla;
     st->ids = (int32_t *)calloc((size_t)cap + 1, sizeof(int32_t));
     st->kda_s = (float **)calloc((size_t)nk + 1, sizeof(float *));
     st->kda_conv = (float **)calloc((size_t)nk + 1, sizeof(float *));
@@ -46,11 +48,11 @@ int ks_alloc(const k3_model *m, ks_state *st, int32_t cap, int shared_slot) {
     return K3_OK;
 }
 
-void ks_free(const k3_model *m, ks_state *st) {
-    int nk = st->shared_slot ? (m->n_kda > 0) : m->n_kda;
+void ks_free(ks_state *st) {
+    int nk = st->n_kda_slots;
     for (int i = 0; st->kda_s && i < nk; i++) free(st->kda_s[i]);
     for (int i = 0; st->kda_conv && i < nk; i++) free(st->kda_conv[i]);
-    for (int i = 0; st->mla_rows && i < m->n_mla; i++) free(st->mla_rows[i]);
+    for (int i = 0; st->mla_rows && i < st->n_mla_slots; i++) free(st->mla_rows[i]);
     free(st->kda_s);
     free(st->kda_conv);
     free(st->mla_rows);
@@ -65,8 +67,8 @@ void ks_zero(const k3_model *m, ks_state *st) {
         memset(st->kda_s[i], 0, sizeof(float) * ks_s_floats(c));
         memset(st->kda_conv[i], 0, sizeof(float) * ks_conv_floats(c));
     }
-    /* MLA rows beyond len are never read; zero them anyway so exports are canonical */
-    for (int i = 0; i < m->n_mla; i++) memset(st->mla_rows[i], 0, sizeof(float) * (size_t)st->cap * ks_row_floats(c));
+    /* rows at or past len are never read nor exported: clear only the used ones */
+    for (int i = 0; i < m->n_mla; i++) memset(st->mla_rows[i], 0, sizeof(float) * (size_t)st->len * ks_row_floats(c));
     st->len = 0;
 }
 

@@ -31,6 +31,7 @@ typedef struct {
     int32_t state;
     int32_t refs;       /* pins by the current batch */
     int32_t prefetched; /* read by lookahead and not used yet */
+    int32_t by_hint;    /* the current read was started by lookahead */
     int32_t consumed;   /* handed to the current batch by kx_next */
     uint64_t last_use;
     int errcode;
@@ -66,7 +67,8 @@ uint64_t km_now_ns(void) {
 int kt_pread_atleast(int fd, void *buf, uint64_t n, uint64_t off, uint64_t need) {
     uint8_t *p = (uint8_t *)buf;
     uint64_t got = 0;
-    while (got < n) {
+    /* stop once the needed bytes are in: a retry after a short read would be unaligned */
+    while (got < need) {
         ssize_t r = pread(fd, p + got, (size_t)(n - got), (off_t)(off + got));
         if (r < 0) {
             if (errno == EINTR) continue;
@@ -126,11 +128,16 @@ static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) 
         int sh = loc->shard[0], rc;
         if (fault) {
             rc = -EIO;
-        } else if (s->direct && s->dfd[sh] >= 0) {
+        } else if (s->direct && __atomic_load_n(&s->dfd[sh], __ATOMIC_RELAXED) >= 0) {
             uint64_t lo = off & ~(uint64_t)(KX_ALIGN - 1);
             uint64_t hi = (off + total + KX_ALIGN - 1) & ~(uint64_t)(KX_ALIGN - 1);
             rc = kt_pread_atleast(s->dfd[sh], sl->buf, hi - lo, lo, off + total - lo);
             sl->data = sl->buf + (off - lo);
+            if (rc == -EINVAL) { /* the filesystem took O_DIRECT at open but not for reads */
+                __atomic_store_n(&m->stats.direct_io_refused, 1, __ATOMIC_RELAXED);
+                rc = kt_pread_full(m->shards[sh].fd, sl->buf, total, off);
+                sl->data = sl->buf;
+            }
         } else {
             rc = kt_pread_full(m->shards[sh].fd, sl->buf, total, off);
             sl->data = sl->buf;
@@ -217,13 +224,14 @@ static int kx_take_slot(kx_store *s, int key) {
     kx_slot *sl = &s->slots[best];
     if (sl->key >= 0) {
         s->where[sl->key] = -1;
-        s->m->stats.cache_evictions++;
-        if (sl->prefetched) s->m->stats.lookahead_wasted++;
+        __atomic_add_fetch(&s->m->stats.cache_evictions, 1, __ATOMIC_RELAXED);
+        if (sl->prefetched) __atomic_add_fetch(&s->m->stats.lookahead_wasted, 1, __ATOMIC_RELAXED);
     }
     sl->key = key;
     sl->state = KX_LOADING;
     sl->refs = 0;
     sl->prefetched = 0;
+    sl->by_hint = 0;
     sl->consumed = 0;
     s->where[key] = best;
     return best;
@@ -237,17 +245,25 @@ static void kx_enqueue(kx_store *s, const int *slots, int n) {
     pthread_cond_broadcast(&s->cv_job);
 }
 
-static const kx_store *kx_sort_store;
-static int kx_cmp_slot_off(const void *a, const void *b) {
-    uint64_t x = kx_offset_of(kx_sort_store, kx_sort_store->slots[*(const int *)a].key);
-    uint64_t y = kx_offset_of(kx_sort_store, kx_sort_store->slots[*(const int *)b].key);
-    return x < y ? -1 : x > y;
+typedef struct {
+    uint64_t off;
+    int idx;
+} kx_order;
+
+static int kx_cmp_order(const void *a, const void *b) {
+    const kx_order *x = (const kx_order *)a, *y = (const kx_order *)b;
+    return x->off < y->off ? -1 : x->off > y->off;
 }
 
+/* Slot indices sorted by their experts' file offsets (reads then sweep each shard once). */
 static void kx_sort_by_offset(const kx_store *s, int *slots, int n) {
-    /* lock held, so the static comparator context is private to this call */
-    kx_sort_store = s;
-    qsort(slots, (size_t)n, sizeof(int), kx_cmp_slot_off);
+    kx_order tmp[KX_MAX_BATCH];
+    for (int i = 0; i < n; i++) {
+        tmp[i].off = kx_offset_of(s, s->slots[slots[i]].key);
+        tmp[i].idx = slots[i];
+    }
+    qsort(tmp, (size_t)n, sizeof(kx_order), kx_cmp_order);
+    for (int i = 0; i < n; i++) slots[i] = tmp[i].idx;
 }
 
 int kx_batch_limit(const kx_store *s) {
@@ -271,19 +287,20 @@ int kx_begin(kx_store *s, int layer, const int *experts, int n, char *err, size_
         if (idx >= 0 && s->slots[idx].state == KX_FAILED) {
             /* a failed read is retried, never served */
             s->slots[idx].state = KX_LOADING;
+            s->slots[idx].by_hint = 0;
             s->slots[idx].refs++;
             s->slots[idx].consumed = 0;
             miss[nmiss++] = idx;
-            m->stats.cache_misses++;
+            __atomic_add_fetch(&m->stats.cache_misses, 1, __ATOMIC_RELAXED);
         } else if (idx >= 0) {
             kx_slot *sl = &s->slots[idx];
             sl->refs++;
             sl->consumed = 0;
             if (sl->prefetched) {
-                m->stats.lookahead_used++;
+                __atomic_add_fetch(&m->stats.lookahead_used, 1, __ATOMIC_RELAXED);
                 sl->prefetched = 0;
             }
-            m->stats.cache_hits++;
+            __atomic_add_fetch(&m->stats.cache_hits, 1, __ATOMIC_RELAXED);
         } else {
             for (;;) {
                 idx = kx_take_slot(s, key);
@@ -293,7 +310,7 @@ int kx_begin(kx_store *s, int layer, const int *experts, int n, char *err, size_
             }
             s->slots[idx].refs = 1;
             miss[nmiss++] = idx;
-            m->stats.cache_misses++;
+            __atomic_add_fetch(&m->stats.cache_misses, 1, __ATOMIC_RELAXED);
         }
         s->batch[s->nbatch++] = idx;
     }
@@ -324,6 +341,24 @@ int kx_next(kx_store *s, int *expert, kx_view *view, char *err, size_t errlen) {
         for (int i = 0; i < s->nbatch; i++) {
             kx_slot *sl = &s->slots[s->batch[i]];
             if (sl->consumed) continue;
+            if (sl->state == KX_FAILED && sl->by_hint) {
+                /* a lookahead read failed before the router asked: read it again */
+                sl->by_hint = 0;
+                sl->state = KX_LOADING;
+                int idx = s->batch[i];
+                if (s->prefetch) {
+                    kx_enqueue(s, &idx, 1);
+                } else {
+                    char e2[320];
+                    e2[0] = 0;
+                    pthread_mutex_unlock(&s->mu);
+                    int rc2 = kx_read(s, sl, sl->key, e2, sizeof e2);
+                    pthread_mutex_lock(&s->mu);
+                    kx_finish(s, idx, rc2, e2);
+                }
+                pending = 1;
+                continue;
+            }
             if (sl->state == KX_FAILED) {
                 km_set_err(err, errlen, "%s", sl->err);
                 int rc = sl->errcode;
@@ -346,7 +381,7 @@ int kx_next(kx_store *s, int *expert, kx_view *view, char *err, size_t errlen) {
             view->w3p = view->w2s + loc->nbytes[3];
             view->w3s = view->w3p + loc->nbytes[4];
             pthread_mutex_unlock(&s->mu);
-            m->stats.io_wait_ns += km_now_ns() - t0;
+            __atomic_add_fetch(&m->stats.io_wait_ns, km_now_ns() - t0, __ATOMIC_RELAXED);
             return K3_OK;
         }
         if (!pending) {
@@ -380,9 +415,10 @@ void kx_hint(kx_store *s, int layer, const int *experts, int n) {
         int idx = kx_take_slot(s, key);
         if (idx < 0) break;
         s->slots[idx].prefetched = 1;
+        s->slots[idx].by_hint = 1;
         s->slots[idx].last_use = s->tick;
         miss[nmiss++] = idx;
-        m->stats.lookahead_issued++;
+        __atomic_add_fetch(&m->stats.lookahead_issued, 1, __ATOMIC_RELAXED);
     }
     kx_sort_by_offset(s, miss, nmiss);
     kx_enqueue(s, miss, nmiss);
@@ -396,7 +432,7 @@ void kx_store_destroy(kx_store *s) {
     pthread_cond_broadcast(&s->cv_job);
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < s->nreaders; i++) pthread_join(s->readers[i], NULL);
-    for (int i = 0; i < s->nslots; i++) free(s->slots[i].buf);
+    for (int i = 0; s->slots && i < s->nslots; i++) free(s->slots[i].buf);
     if (s->dfd)
         for (int i = 0; i < s->m->n_shards; i++)
             if (s->dfd[i] >= 0) close(s->dfd[i]);
@@ -436,18 +472,20 @@ int kx_store_create(k3_model *m, const k3_open_opts *o, kx_store **out, char *er
     }
     if (want < 2) want = 2;
     s->nslots = (int)want;
+    size_t nkeys = (size_t)c->n_layers * c->n_experts; /* keys are layer * n_experts + expert */
     s->slots = (kx_slot *)calloc((size_t)s->nslots, sizeof(kx_slot));
-    s->where = (int32_t *)malloc(sizeof(int32_t) * (size_t)(all > 0 ? all + (size_t)c->n_layers * c->n_experts : 1));
+    s->where = (int32_t *)malloc(sizeof(int32_t) * nkeys);
     s->qcap = s->nslots + 1;
     s->queue = (int32_t *)malloc(sizeof(int32_t) * (size_t)s->qcap);
     s->dfd = (int *)malloc(sizeof(int) * (size_t)m->n_shards);
+    if (s->dfd)
+        for (int i = 0; i < m->n_shards; i++) s->dfd[i] = -1;
     if (!s->slots || !s->where || !s->queue || !s->dfd) {
         kx_store_destroy(s);
         return K3_ERR_NOMEM;
     }
-    for (size_t i = 0; i < (size_t)c->n_layers * c->n_experts; i++) s->where[i] = -1;
+    for (size_t i = 0; i < nkeys; i++) s->where[i] = -1;
     for (int i = 0; i < s->nslots; i++) s->slots[i].key = -1;
-    for (int i = 0; i < m->n_shards; i++) s->dfd[i] = -1;
     if (o->direct_io) {
         int refused = 0;
         for (int i = 0; i < m->n_shards; i++) {

@@ -39,6 +39,10 @@ K3_DENSE_FFN = 3 * 33792 * E * 2  # layer 0: gate, up, down
 K3_ROUTER = 896 * E * 2
 K3_MOE_FFN = K3_ROUTER + (2 * 3584 * E + 3 * 6144 * E) * 2  # router, latent down/up, shared
 K3_ROW = E * 2  # one embedding row
+# A layer's matrices (what pinning holds and streaming reads): attention + FFN units.
+K3_LAYER0_MATRICES = K3_KDA_ATTN + K3_DENSE_FFN
+K3_KDA_MATRICES = K3_KDA_ATTN + K3_MOE_FFN
+K3_MLA_MATRICES = K3_MLA_ATTN + K3_MOE_FFN
 # Small vectors, held as fp32 for every layer: 4 norms + 2 AttnRes [1, E] per layer; KDA
 # conv x3, dt_bias, A_log (128, padded), o_norm; MLA q_a / kv_a norms; MoE bias, latent norm.
 K3_VECTORS_FP32 = 4 * (93 * 6 * E + 69 * (3 * P * 4 + P + 128 + D) + 24 * (1536 + 512)
@@ -160,45 +164,87 @@ def test_k3_sizes_match_the_spec(k3) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Real K3 plans at 8, 16, 64 and 256 GiB (independent of this machine's RAM)
+# Real K3 plans at 8, 9, 16, 64 and 256 GiB (independent of this machine's RAM)
 # ---------------------------------------------------------------------------------------
 
 
 def k3_floor(context: int, embed: int) -> int:
     """The floor from spec numbers, without the planner's work-buffer and staging estimate."""
-    return (K3_EMBED_LM_HEAD // 2 + embed + K3_VECTORS_FP32 + 4 * 3 * E + 2 * K3_KDA_STATE
+    # one turn snapshot is the whole state export: KDA state + MLA rows + ids + 40 B header
+    snapshot = K3_KDA_STATE + context * (K3_MLA_PER_POSITION + 4) + 40
+    return (K3_EMBED_LM_HEAD // 2 + embed + K3_VECTORS_FP32 + 4 * 3 * E + K3_KDA_STATE + snapshot
             + context * K3_MLA_PER_POSITION)
 
 
 def test_k3_8g_fits_streaming_units(k3) -> None:
-    """8 GiB now holds K3: no embedding table, ring slots for one unit, not one layer.
+    """8 GiB holds K3: no embedding table, ring slots for one unit, not one layer.
 
-    Floor at 8,192 tokens without the table: lm_head 2.35 GB + KDA state and one snapshot
-    0.93 GB + MLA cache 0.45 GB + fp32 vectors 0.06 GB + work and staging 0.06 GB = 3.86 GB
-    (3.59 GiB). Streaming all 93 layers would need ring slots for layer 0's dense FFN
-    (1.45 GB each); pinning layer 0 (2.34 GB) lets the slots shrink to a KDA attention unit
-    (0.89 GB each), and 8 GiB has room for that: 3.86 + 2.34 + 1.77 = 7.97 GB, leaving
-    35 expert slots (0.61 GB).
+    Floor at 8,192 tokens without the table (GiB): lm_head 2.19 + KDA state 0.43 + one turn
+    snapshot 0.85 (the whole state export: KDA state 0.43 + MLA rows 0.42 + ids) + MLA cache
+    0.42 + fp32 vectors 0.06 + work and staging 0.06 = 4.01. Pinning layer 0 (2.18) would let
+    the ring slots shrink to a KDA attention unit (0.83 each), but that needs 4.01 + 2.18 +
+    2 x 0.83 (1.65) + 17 expert slots 0.28 = 8.12 > 8. So every layer streams, through slots
+    for layer 0's dense FFN unit (1.35 each): 4.01 + 2 x 1.35 (2.71) = 6.72 held, and the
+    remaining 1.28 makes 78 expert slots. (Layer 0 is pinned from 8.12 GiB: the 9 GiB test.)
     """
     cfg, ts = k3
     budget = sz.parse_memory("small")
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
     assert plan.embed_stream and plan.embed_bytes == K3_ROW
-    assert plan.pinned_layers == (0,) and plan.pinned_bytes == K3_KDA_ATTN + K3_DENSE_FFN
-    assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
-    assert plan.ring_unit == "layer 1 attention"
-    assert plan.streamed_bytes == 68 * (K3_KDA_ATTN + K3_MOE_FFN) + 24 * (K3_MLA_ATTN + K3_MOE_FFN)
     floor = k3_floor(8192, embed=K3_ROW)
     assert 0 < plan.floor_bytes - floor < 64 * sz.MiB  # work buffers + staging
-    held = plan.floor_bytes + plan.pinned_bytes + 2 * ring_bound(K3_KDA_ATTN, 8)
+    # pinning layer 0 does not fit beside the smaller ring and the minimum expert cache
+    assert (plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
+            + 17 * EXPERT_SLOT > budget)
+    assert plan.pinned_layers == () and plan.pinned_bytes == 0
+    assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
+    assert plan.ring_unit == "layer 0 FFN"
+    assert plan.streamed_bytes == K3_LAYER0_MATRICES + 68 * K3_KDA_MATRICES + 24 * K3_MLA_MATRICES
+    held = plan.floor_bytes + 2 * ring_bound(K3_DENSE_FFN, 3)
     assert plan.expert_slot_bytes == EXPERT_SLOT
-    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 35
+    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 78
+    assert plan.cold_read_per_token == plan.streamed_bytes + 92 * 16 * K3_EXPERT + K3_ROW
+    opts = plan.stream_options()
+    assert (opts.trunk_stream, opts.ring_slots, opts.pinned) == (True, 2, ())
+    assert opts.embed_stream
+    assert opts.expert_cache_bytes == 78 * EXPERT_SLOT and opts.lookahead == 0
+    assert (opts.direct_io, opts.prefetch, opts.reader_threads) == (True, True, 8)
+    table = plan.table()
+    for text in ("streamed: one row of 14,336 B", "pinned: 0 layers", "streamed: 93 layers",
+                 "layer 0 FFN", f"{K3_DENSE_FFN:,} B in 3 tensors", "embed_stream=True",
+                 "pinned none"):
+        assert text in table, text
+
+
+def test_k3_9g_pins_layer0_so_the_slots_shrink(k3) -> None:
+    """Pinning layer 0 lets the ring slots shrink from its dense FFN unit to a KDA attention
+    unit; with the whole state export in the floor this first fits at 8.12 GiB (8 GiB streams
+    every layer), so it is shown at 9 GiB.
+
+    Floor 4.01 (rows streamed) + layer 0 2.18 + ring 2 x 0.83 (1.65) = 7.84 held; the
+    remaining 1.16 makes 70 expert slots. Pinning layer 1 too (1.18) would need 7.84 + 1.18 +
+    17 expert slots 0.28 = 9.30 > 9.
+    """
+    cfg, ts = k3
+    budget = sz.parse_memory("9G")
+    plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
+    check_invariants(plan)
+    assert plan.embed_stream and plan.embed_bytes == K3_ROW
+    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_ROW) < 64 * sz.MiB
+    assert plan.pinned_layers == (0,) and plan.pinned_bytes == K3_LAYER0_MATRICES
+    assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
+    assert plan.ring_unit == "layer 1 attention"
+    assert plan.streamed_bytes == 68 * K3_KDA_MATRICES + 24 * K3_MLA_MATRICES
+    held = plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
+    assert held + K3_KDA_MATRICES + 17 * EXPERT_SLOT > budget  # layer 1 does not fit as well
+    assert plan.expert_slot_bytes == EXPERT_SLOT
+    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 70
     assert plan.cold_read_per_token == plan.streamed_bytes + 92 * 16 * K3_EXPERT + K3_ROW
     opts = plan.stream_options()
     assert (opts.trunk_stream, opts.ring_slots, opts.pinned) == (True, 2, (0,))
     assert opts.embed_stream
-    assert opts.expert_cache_bytes == 35 * EXPERT_SLOT and opts.lookahead == 0
+    assert opts.expert_cache_bytes == 70 * EXPERT_SLOT and opts.lookahead == 0
     assert (opts.direct_io, opts.prefetch, opts.reader_threads) == (True, True, 8)
     table = plan.table()
     for text in ("streamed: one row of 14,336 B", "pinned: 1 layers", "layer 1 attention",
@@ -209,8 +255,9 @@ def test_k3_8g_fits_streaming_units(k3) -> None:
 def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
     """The smallest K3 plan streams every layer through slots sized for layer 0's FFN unit.
 
-    6.58 GiB at 8,192 tokens: floor 3.59 + ring 2 x 1.35 + 17 expert slots 0.28. 6 GiB is
-    refused, whatever the context (one token needs 6.15 GiB).
+    7.00 GiB at 8,192 tokens (just under 7 GiB, so the refusal suggests --memory 7G): floor
+    4.01 + ring 2 x 1.35 (2.71) + 17 expert slots 0.28. 6 GiB is refused, whatever the
+    context (one token needs 6.15 GiB: the snapshot is then about the KDA state, 0.43).
     """
     cfg, ts = k3
     need = pl.minimum_budget(cfg, ts, 8192)
@@ -239,14 +286,26 @@ def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
 
 
 def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
+    """At 9 GiB layer 0 is pinned without lookahead (8.12 GiB needed); with it the routers of
+    the 92 streamed MoE layers (1.10 GiB) are held too, and 8.12 + 1.10 = 9.22 > 9, so every
+    layer streams: floor 4.01 + routers 1.10 + ring 2 x 1.35 (2.71) = 7.82, and the remaining
+    1.18 makes 72 expert slots. (At 8 GiB, where layer 0 streams anyway, lookahead is refused:
+    the smallest plan needs 7.00 + 1.10 = 8.10.)
+    """
     cfg, ts = k3
-    budget = sz.parse_memory("8G")
+    budget = sz.parse_memory("9G")
+    assert pl.make_plan(cfg, ts, budget, 8192, check_machine=False).pinned_layers == (0,)
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False, lookahead=8)
     check_invariants(plan)
-    # 92 routers (1.18 GB) no longer leave room to pin layer 0
+    # 92 routers no longer leave room to pin layer 0
+    pin0 = (plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
+            + 17 * EXPERT_SLOT)
+    assert pin0 <= budget < pin0 + 92 * K3_ROUTER
     assert plan.pinned_layers == () and plan.router_bytes == 92 * K3_ROUTER
     assert plan.streamed_bytes == plan.trunk_matrix_bytes - 92 * K3_ROUTER
     assert plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
+    held = plan.floor_bytes + 92 * K3_ROUTER + 2 * ring_bound(K3_DENSE_FFN, 3)
+    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 72
     assert plan.layer_unit_slots[1] == (ring_bound(K3_KDA_ATTN, 8),
                                         ring_bound(K3_MOE_FFN - K3_ROUTER, 5))
     assert plan.stream_options().lookahead == 8
@@ -258,6 +317,7 @@ def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
     msg = str(info.value)
     assert "routers of 92 streamed MoE layers" in msg and "turn router lookahead off" in msg
     assert f"{base:,} B" in msg
+    assert base + 92 * K3_ROUTER > sz.parse_memory("8G")  # lookahead is refused at 8 GiB
     # pinned layers hold their routers anyway: at 64G fewer are counted twice
     big = pl.make_plan(cfg, ts, sz.parse_memory("64G"), 8192, check_machine=False, lookahead=8)
     check_invariants(big)
@@ -265,14 +325,31 @@ def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
 
 
 def test_k3_16g_pins_layer0_first_and_streams_the_rest(k3) -> None:
+    """16 GiB pins layer 0 (2.18 GiB), then KDA layers (1.18 each) before MLA layers (0.79).
+
+    With KDA layers still streamed the ring holds a KDA attention unit, 2 x 0.83 (1.65), so
+    16 - floor 4.01 - ring 1.65 - 17 expert slots 0.28 = 10.06 is left for pinned layers:
+    layer 0 and 6 KDA layers (2.18 + 6 x 1.18 = 9.26) fit, a 7th (10.44) does not. The
+    remaining 16 - 4.01 - 9.26 - 1.65 = 1.08 makes 65 expert slots. (With the snapshot
+    counted as the KDA state alone the floor was 0.42 smaller and 7 KDA layers fitted.)
+    """
     cfg, ts = k3
-    plan = pl.make_plan(cfg, ts, sz.parse_memory("medium"), 8192, check_machine=False)
+    budget = sz.parse_memory("medium")
+    plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
     assert not plan.trunk_resident and plan.embed_stream
+    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_ROW) < 64 * sz.MiB
     assert 0 in plan.pinned_layers  # the biggest layer goes first (it also shrinks the ring)
     assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
-    assert plan.expert_slots >= 17
-    assert plan.pinned_layers == (0, 1, 2, 4, 5, 6, 8, 9)  # KDA layers before MLA layers
+    ring = 2 * ring_bound(K3_KDA_ATTN, 8)
+    room = budget - plan.floor_bytes - ring - 17 * EXPERT_SLOT
+    kda = (room - K3_LAYER0_MATRICES) // K3_KDA_MATRICES  # KDA layers pinned after layer 0
+    kda_layers = [L for L in range(1, 93) if not cfg.is_mla(L)]
+    assert kda == 6 and plan.pinned_layers == (0, *kda_layers[:kda])
+    assert plan.pinned_layers == (0, 1, 2, 4, 5, 6, 8)  # KDA layers before MLA layers
+    assert plan.pinned_bytes == K3_LAYER0_MATRICES + kda * K3_KDA_MATRICES
+    held = plan.floor_bytes + plan.pinned_bytes + ring
+    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 65
     _assert_trunk_first(plan)
 
 
