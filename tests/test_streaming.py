@@ -198,9 +198,10 @@ def test_ring_restarts_at_the_wanted_unit_after_a_fault(wide_dir: Path, wide_ids
     row = s.feed([wide_ids[8]])
     recovery = m.stats()["trunk_stream_reads"] - before
     assert row.tobytes() == reference[1][1].tobytes()
-    # one pass is 5 layers x 2 units; draining the skipped units instead of restarting
-    # would add most of another pass (16 reads were seen before the ring reset existed)
-    assert normal <= 10 and recovery <= 10 + 2, (recovery, normal)
+    # one pass is 5 layers x 2 units, plus at most one read in flight when the ring resets
+    # (dropped) and the ring's read-ahead of 2; draining the skipped units instead of
+    # restarting adds most of another pass (16-17 reads were seen before the reset existed)
+    assert normal <= 10 and recovery <= 10 + 1 + 2, (recovery, normal)
 
 
 def test_session_outliving_its_model_object(wide_dir: Path, wide_ids: list[int]) -> None:
