@@ -355,14 +355,14 @@ class Session:
         return allbuf if allbuf is not None else last
 
     # ---- state ----
-    def export_state(self) -> bytes:
+    def export_state(self) -> bytearray:
         ffi, lib = _lib()
         with self._lock:
             size = ffi.new("uint64_t *")
             lib.k3_session_state_size(self._hs(), size)
             buf = bytearray(size[0])
             self._check(lib.k3_session_export(self._hs(), ffi.from_buffer(buf), size[0]))
-        return bytes(buf)
+        return buf  # a bytearray: no second copy of a state that can be gigabytes
 
     def import_state(self, data: bytes) -> None:
         ffi, lib = _lib()

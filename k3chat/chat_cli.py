@@ -5,8 +5,23 @@ streamed; status lines (session, token counts, notices) on standard error, so
 `k3chat run M --prompt Q --no-think > answer.txt` keeps only the answer and its header.
 
 Ctrl-C (or SIGTERM/SIGHUP): the first lets the step in flight finish, saves what was
-generated (marked interrupted) and exits 5; a second exits at once. The turn runs on a worker
-thread so that the main thread is always free to take the second signal.
+generated (marked interrupted) and exits 5. A second aborts the engine step in flight (between
+two layers), still saves what was generated (parsed leniently, marked interrupted), skips the
+engine state file and exits 5. Only a third exits at once, saving nothing more. The turn runs
+on a worker thread so that the main thread is always free to take the signals.
+
+Everything stored, generated or typed that reaches the terminal goes through
+display.for_terminal (escape sequences, C1 and bidi controls are shown, never obeyed); JSON
+on standard output goes through display.json_safe.
+
+Exit codes (cli.py): 0 done (an answer cut at the token limit too: saved, marked, said);
+1 a runtime failure: the turn failed or its answer was malformed (what was generated is saved,
+marked interrupted), the prompt does not fit the context (nothing is saved), the history could
+not be read or written, the engine failed; 2 a usage or configuration problem, including
+a checkpoint or tokenizer that cannot be opened, a memory plan that cannot fit, an invalid
+prompt text or session name, and --context above the model's max_position_embeddings;
+4 a routed expert could not be read; 5 interrupted (Ctrl-C, SIGTERM, SIGHUP). Every failure
+prints one `k3chat: ...` line saying what happened and whether anything was saved.
 """
 
 from __future__ import annotations
@@ -23,18 +38,61 @@ from types import FrameType
 from typing import Any, Callable
 
 from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import HistoryError, HistoryStore, SessionInfo
+from .history import HistoryError, HistoryStore, SessionInfo, display_name
+
+
+def _err(message: str) -> None:
+    """One status line on standard error, controls made visible (messages quote names)."""
+    try:
+        sys.stderr.write(for_terminal(f"k3chat: {message}") + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # stderr is gone; the exit code still says it
 
 
 def usage_error(message: str) -> int:
-    print(f"k3chat: {message}", file=sys.stderr)
+    _err(message)
     return EXIT_USAGE
 
 
 def _fail(message: str, code: int = EXIT_RUNTIME) -> int:
-    print(f"k3chat: {message}", file=sys.stderr)
+    _err(message)
     return code
+
+
+def _tolerant_streams() -> None:
+    """Never die on output encoding: a non-UTF-8 locale gets backslash escapes."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def json_path_problem(path: str | None) -> str | None:
+    """Why --json PATH can certainly not be written (checked before any work), or None."""
+    if not path:
+        return None
+    target = Path(path)
+    if target.is_dir():
+        return f"--json {path} is a directory; give a file name"
+    if not target.parent.is_dir():
+        return f"--json: the directory {target.parent} does not exist"
+    return None
+
+
+def _text_problem(option: str, text: str | None) -> str | None:
+    """Why ``text`` (from the command line) cannot be stored, or None."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"{option} is not valid text: it contains bytes that are not UTF-8 (check the "
+                "terminal's or the script's encoding)")
+    return None
 
 
 class _Usage(Exception):
@@ -102,6 +160,17 @@ def find_session(store: HistoryStore, ref: str) -> SessionInfo | None:
     return named[0] if named else None
 
 
+def _discard_if_empty(store: HistoryStore, info: SessionInfo) -> None:
+    """Remove a session this run created if nothing was ever written to it."""
+    from .conversation import delete_state
+    try:
+        if not store.load(info.id).records:
+            store.delete(info.id)
+            delete_state(info.id)
+    except (HistoryError, OSError) as exc:
+        _err(f"warning: could not remove the empty session {info.id}: {exc}")
+
+
 def _session_name(prompt: str) -> str:
     line = " ".join(prompt.split())
     name = "".join(ch for ch in line if ch.isprintable())[:60].strip()
@@ -112,23 +181,40 @@ def _session_name(prompt: str) -> str:
 
 
 class _Signals:
-    """First signal: ask the turn to stop after the step in flight. Second: exit now."""
+    """SIGINT/SIGTERM/SIGHUP. First: stop after the step in flight (``on_first``). Second:
+    abort the step in flight (``on_second``; with no turn running yet, KeyboardInterrupt in
+    the main thread, which leaves no trace). Third: exit at once."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
+        self.count = 0
         self.on_first: Callable[[], None] | None = None
+        self.on_second: Callable[[], None] | None = None
         self._old: dict[int, Any] = {}
 
+    def _say(self, text: str) -> None:
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested.is_set():
+        self.count += 1
+        if self.count >= 3:
             try:
-                sys.stderr.write("\nk3chat: stopped at once\n")
-                sys.stderr.flush()
+                self._say("\nk3chat: stopped at once\n")
             finally:
                 os._exit(EXIT_INTERRUPTED)
+        if self.count == 2:
+            if self.on_second is None:
+                raise KeyboardInterrupt
+            self._say("\nk3chat: aborting the current step; saving what was generated "
+                      "(a third Ctrl-C quits at once)\n")
+            self.on_second()
+            return
         self.requested.set()
-        sys.stderr.write("\nk3chat: stopping after the current step and saving (Ctrl-C again to quit now)\n")
-        sys.stderr.flush()
+        self._say("\nk3chat: stopping after the current step and saving (Ctrl-C again to abort the step)\n")
         if self.on_first is not None:
             self.on_first()
 
@@ -173,12 +259,25 @@ class _Printer:
         self.session = session
         self._at_line_start = True
         self._announced = False
+        self._stdout_gone = False
 
     def _out(self, text: str) -> None:
-        if not text:
+        text = for_terminal(text)  # per character, so each streamed piece is safe alone
+        if not text or self._stdout_gone:
             return
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            # The reader went away (`| head`): keep generating and saving, stop printing.
+            self._stdout_gone = True
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+            return
         self._at_line_start = text.endswith("\n")
 
     def _header(self, title: str) -> None:
@@ -189,16 +288,16 @@ class _Printer:
     def __call__(self, event: Event) -> None:
         if isinstance(event, Prefill):
             where = f" (from {event.source.replace('_', ' ')})" if event.source else ""
-            print(f"k3chat: session {self.session.name!r} ({self.session.id}): prompt {event.prompt_tokens} tokens, "
-                  f"reused {event.reused_tokens}{where}, prefilling {event.prefilled_tokens}", file=sys.stderr)
+            _err(f"session {self.session.name!r} ({self.session.id}): prompt {event.prompt_tokens} tokens, "
+                 f"reused {event.reused_tokens}{where}, prefilling {event.prefilled_tokens}")
         elif isinstance(event, PhaseChanged):
             if event.phase in ("reasoning", "answer"):
                 if not self._announced:
                     self._announced = True
-                    print("k3chat: generating (Ctrl-C stops after the current token)", file=sys.stderr, flush=True)
+                    _err("generating (Ctrl-C stops after the current token)")
                 self._header(event.phase)
             elif event.phase == "sync":
-                print("k3chat: lining the engine state up with the saved history", file=sys.stderr)
+                _err("lining the engine state up with the saved history")
             elif event.phase == "done" and not self._at_line_start:
                 self._out("\n")
         elif isinstance(event, (ReasoningToken, AnswerToken)):
@@ -206,23 +305,27 @@ class _Printer:
         elif isinstance(event, Notice):
             if not self._at_line_start:
                 self._out("\n")
-            print(f"k3chat: {event.text}", file=sys.stderr, flush=True)
+            _err(event.text)
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
     from . import paths
     # The conversation is in it: private like the history, and replaced atomically.
-    paths.atomic_write(Path(path), (json.dumps(payload, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))
+    text = json_safe(json.dumps(payload, ensure_ascii=False, indent=1)) + "\n"
+    paths.atomic_write(Path(path), text.encode("utf-8", errors="backslashreplace"))
 
 
 # --------------------------------------------------------------------------- run --prompt
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    _tolerant_streams()
     try:
         return _run_chat(args)
     except _Usage as exc:
         return usage_error(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -234,16 +337,47 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _Usage("--system starts a new session; it cannot be used with --resume")
     if args.prompt is not None and args.prompt == "":
         raise _Usage("--prompt is empty")
+    if args.lookahead is not None and args.lookahead < 0:
+        raise _Usage(f"--lookahead must be >= 0 (0 turns it off), got {args.lookahead}")
+    problem = json_path_problem(args.json_out)
+    if problem is not None:
+        raise _Usage(problem)
+    # Checked before anything is created: text that cannot be stored must leave no trace.
+    for option, text in (("--prompt", args.prompt), ("--system", args.system), ("--session", args.session)):
+        problem = _text_problem(option, text)
+        if problem is not None:
+            raise _Usage(problem)
+
+
+def _context(args: argparse.Namespace, model_dir: Path) -> int:
+    """N_ctx: --context, else the planner's default (capped by the model's own limit). The
+    memory plan and the conversation both use exactly this."""
+    from .conversation import default_context, model_max_positions
+
+    limit = model_max_positions(model_dir)
+    if args.context is None:
+        return default_context(model_dir)
+    if limit is not None and args.context > limit:
+        raise _Usage(f"--context {args.context:,} is more than the model's max_position_embeddings ({limit:,})")
+    return int(args.context)
 
 
 def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[SessionInfo | None, str | None]:
     """(existing session or None, the system message to send with the first turn)."""
+    from .history import _check_name
+
     info = find_session(store, args.session) if args.session else None
     if info is None:
         if args.resume:
             raise _Usage(f"no session {args.session!r} to resume")
+        if args.session is not None:
+            try:
+                _check_name(args.session)  # the name of the session this run will create
+            except HistoryError as exc:
+                raise _Usage(f"--session: {exc}") from None
         return None, args.system
-    records = store.load(info.id).records
+    loaded = store.load(info.id)
+    records = loaded.records
     pending = bool(records) and records[-1]["role"] == "user"
     if args.resume and not pending:
         raise _Usage(f"session {info.name!r} has no unanswered message to resume")
@@ -262,6 +396,8 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
 def _run_chat(args: argparse.Namespace) -> int:
     _check_args(args)
     settings = _run_settings(args)
+    model_dir = Path(settings.model)
+    context = _context(args, model_dir)
     from . import paths
     try:
         store = _open_store()
@@ -270,72 +406,101 @@ def _run_chat(args: argparse.Namespace) -> int:
         return _fail(f"cannot open the history: {exc}")
 
     with _Signals() as signals:
-        opened = _open_model(Path(settings.model), args, args.memory or settings.memory)
-        if isinstance(opened, int):
-            return opened
-        model, tokenizer = opened
-        if signals.requested.is_set():
-            return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
-        created = False
+        created: SessionInfo | None = None
         try:
+            opened = _open_model(model_dir, args, args.memory or settings.memory, context)
+            if isinstance(opened, int):
+                return opened
+            model, tokenizer = opened
+            if signals.requested.is_set():
+                return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
             if info is None:
                 name = args.session or _session_name(args.prompt)
-                info = store.create(name, model=Path(settings.model).name)
-                created = True
-        except HistoryError as exc:
-            return _fail(f"cannot create the session: {exc}")
-        return _run_turn(args, settings, store, info, created, system, model, tokenizer, signals)
+                try:
+                    info = created = store.create(name, model=model_dir.name)
+                except (HistoryError, OSError) as exc:
+                    return _fail(f"cannot create the session: {exc}")
+            return _run_turn(args, settings, store, info, created is not None, system, model, tokenizer,
+                             signals, context)
+        except KeyboardInterrupt:  # a second signal before the turn could start
+            return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
+        finally:
+            if created is not None:
+                _discard_if_empty(store, created)  # a failure before the first record: no trace
 
 
-def _open_model(model_dir: Path, args: argparse.Namespace, memory: str) -> tuple[Any, Any] | int:
+def _open_model(model_dir: Path, args: argparse.Namespace, memory: str, context: int) -> tuple[Any, Any] | int:
     from k3engine.budgeted import open_budgeted
     from k3engine.errors import CheckpointError
     from k3engine.model import EngineError, ExpertReadError
-    from k3engine.planner import DEFAULT_CONTEXT, PlanError
+    from k3engine.planner import PlanError
     from k3engine.sizes import MemorySizeError
 
     from .tokenizer import Tokenizer, TokenizerError
 
     threads = args.threads or os.cpu_count() or 1
     try:
-        model = open_budgeted(model_dir, memory=memory, context=args.context or DEFAULT_CONTEXT,
+        model = open_budgeted(model_dir, memory=memory, context=context,
                               lookahead=args.lookahead, threads=min(threads, 64), scalar=args.scalar).model
     except (PlanError, MemorySizeError) as exc:
         return _fail(str(exc), EXIT_USAGE)
     except CheckpointError as exc:
         return _fail(f"cannot open {model_dir}:\n{exc}", EXIT_USAGE)
-    except FileNotFoundError as exc:
-        return _fail(str(exc), EXIT_USAGE)
     except EngineError as exc:
         return _fail(f"the engine refused {model_dir}: {exc}",
                      EXIT_EXPERT_IO if isinstance(exc, ExpertReadError) else EXIT_RUNTIME)
+    except MemoryError:
+        return _fail(f"out of memory opening {model_dir}; try a smaller --memory or --context")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable files, bad values
+        return _fail(f"cannot open {model_dir}: {exc}", EXIT_USAGE)
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
         tokenizer.engine_vocab_check(model.config.vocab)
     except TokenizerError as exc:
         return _fail(f"tokenizer in {model_dir}: {exc}", EXIT_USAGE)
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot load the tokenizer in {model_dir}: {exc}", EXIT_USAGE)
     return model, tokenizer
 
 
+def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, model: Any,
+                  tokenizer: Any, context: int) -> Any:
+    """The Conversation, or an exit code after saying why it could not be built."""
+    from .conversation import Conversation, sampler_settings
+    from .tokenizer import TokenizerError
+
+    try:
+        conv = Conversation(model, tokenizer, store, info.id, thinking=settings.thinking, effort=settings.effort,
+                            max_tokens=settings.max_tokens, context=context,
+                            model_name=Path(settings.model).name)
+        conv.sampler = sampler_settings(sampling=settings.sampling, temperature=settings.temperature,
+                                        top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
+                                        records=conv.records)
+    except TokenizerError as exc:
+        return _fail(f"tokenizer: {exc}", EXIT_USAGE)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except (HistoryError, OSError) as exc:
+        return _fail(f"cannot load session {info.id}: {exc}")
+    return conv
+
+
 def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, created: bool,
-              system: str | None, model: Any, tokenizer: Any, signals: _Signals) -> int:
+              system: str | None, model: Any, tokenizer: Any, signals: _Signals, context: int) -> int:
     from k3engine.model import ExpertReadError
 
-    from .conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
+    from .conversation import ContextOverflow, ConversationError, TurnFailed
 
-    conv = Conversation(model, tokenizer, store, info.id, thinking=settings.thinking, effort=settings.effort,
-                        max_tokens=settings.max_tokens, context=args.context, model_name=Path(settings.model).name)
-    conv.sampler = sampler_settings(sampling=settings.sampling, temperature=settings.temperature,
-                                    top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
-                                    records=conv.records)
+    conv = _conversation(args, settings, store, info, model, tokenizer, context)
+    if isinstance(conv, int):
+        return conv
     if not conv.sampler.greedy:
-        print(f"k3chat: sampling with seed {conv.sampler.seed}", file=sys.stderr)
+        _err(f"sampling with seed {conv.sampler.seed}")
     for problem in conv.load_problems:
-        print(f"k3chat: warning: session {info.id}: {problem}", file=sys.stderr)
+        _err(f"warning: session {info.id}: {problem}")
     signals.on_first = conv.cancel
+    signals.on_second = conv.abort
     if signals.requested.is_set():  # before anything was committed: leave no trace
-        if created:
-            store.delete(info.id)
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
     printer = _Printer(info)
     payload: dict[str, Any] = {"session": info.id, "session_name": info.name, "model_dir": str(settings.model)}
@@ -347,8 +512,6 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
         else:
             result = _in_worker(lambda: conv.send(args.prompt, system=system, on_event=printer))
     except ContextOverflow as exc:
-        if created:
-            store.delete(info.id)  # nothing of this run remains
         payload.update(error=str(exc), prompt_tokens=exc.prompt_tokens, interrupted=False)
         code = _fail(str(exc))
     except TurnFailed as exc:
@@ -371,12 +534,14 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
             elif result.interrupted and result.stop != "limit":
                 code = EXIT_RUNTIME  # a malformed answer: saved, marked, said so above
         _summary(result, info)
+    elif signals.requested.is_set() and code == EXIT_OK:
+        code = EXIT_INTERRUPTED
     payload["exit_code"] = code
     if args.json_out:
         try:
             _write_json(args.json_out, payload)
         except OSError as exc:
-            print(f"k3chat: cannot write {args.json_out}: {exc}", file=sys.stderr)
+            _err(f"cannot write {args.json_out}: {exc}")
             code = code or EXIT_RUNTIME
     return code
 
@@ -387,24 +552,43 @@ def _summary(result: Any, info: SessionInfo) -> None:
         speed = f" ({(result.generated_tokens - 1) / result.decode_seconds:.1f} tokens/s)"
     status = " [interrupted]" if result.interrupted else ""
     saved = "saved to" if result.saved else "NOT saved to"
-    print(f"k3chat: {result.generated_tokens} tokens generated{speed}{status}; {saved} session "
-          f"{info.name!r} (continue with --session {info.id})", file=sys.stderr)
+    _err(f"{result.generated_tokens} tokens generated{speed}{status}; {saved} session "
+         f"{info.name!r} (continue with --session {info.id})")
 
 
 # --------------------------------------------------------------------------- sessions
 
 
+def _open_sessions_store() -> HistoryStore:
+    from .conversation import sweep_state_temps
+    store = _open_store()
+    try:
+        sweep_state_temps()  # the history store sweeps its own directory when it opens
+    except OSError as exc:
+        _err(f"warning: stale state temp files not removed: {exc}")
+    return store
+
+
 def sessions_main(args: argparse.Namespace) -> int:
     from . import paths
+    _tolerant_streams()
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
                "rename": _sessions_rename, "rm": _sessions_rm}
     try:
-        store = _open_store()
+        store = _open_sessions_store()
         return actions[args.action](store, args)
     except _Usage as exc:
         return usage_error(str(exc))
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+
+
+def _stdout(text: str) -> None:
+    """Text for the terminal (or a pipe): controls shown, never obeyed."""
+    sys.stdout.write(for_terminal(text))
+    sys.stdout.flush()
 
 
 def _resolve(store: HistoryStore, ref: str) -> SessionInfo:
@@ -423,35 +607,46 @@ def _sessions_list(store: HistoryStore, args: argparse.Namespace) -> int:
     if args.json:
         doc = [{"id": i.id, "name": i.name, "created": i.created, "updated": i.updated,
                 "messages": i.n_messages, "model": i.model} for i in infos]
-        print(json.dumps(doc, ensure_ascii=False, indent=1))
+        _stdout(json_safe(json.dumps(doc, ensure_ascii=False, indent=1)) + "\n")
         return EXIT_OK
     if not infos:
-        print("no sessions", file=sys.stderr)
+        _err("no sessions")
         return EXIT_OK
-    print(f"{'ID':<24}  {'UPDATED':<16}  {'MSGS':>4}  NAME")
-    for i in infos:
-        print(f"{i.id:<24}  {_local(i.updated):<16}  {i.n_messages:>4}  {i.name}")
+    lines = [f"{'ID':<24}  {'UPDATED':<16}  {'MSGS':>4}  NAME"]
+    lines += [f"{i.id:<24}  {_local(i.updated):<16}  {i.n_messages:>4}  {display_name(i.name)}" for i in infos]
+    _stdout("\n".join(lines) + "\n")
     return EXIT_OK
 
 
 def _sessions_show(store: HistoryStore, args: argparse.Namespace) -> int:
     info = _resolve(store, args.session)
     for problem in store.load(info.id).problems:
-        print(f"k3chat: warning: {problem}", file=sys.stderr)
-    sys.stdout.write(store.export_markdown(info.id))
+        _err(f"warning: {problem}")
+    _stdout(store.export_markdown(info.id))
     return EXIT_OK
 
 
 def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
     from . import paths
     info = _resolve(store, args.session)
-    text = {"md": store.export_markdown, "json": store.export_json, "jsonl": store.export_peer_jsonl}[args.format](info.id)
+    code = EXIT_OK
+    if args.format == "jsonl":
+        text, warnings = store.export_peer_jsonl_checked(info.id)
+        for warning in warnings:
+            _err(f"warning: {warning}")
+        if any(w.startswith("damaged line") for w in warnings):
+            # The peer would be given a different conversation without knowing it.
+            code = _fail(f"the export of session {info.id} is incomplete: damaged lines were left out", EXIT_RUNTIME)
+    else:
+        for problem in store.load(info.id).problems:
+            _err(f"warning: {problem} (noted in the export)")
+        text = {"md": store.export_markdown, "json": store.export_json}[args.format](info.id)
     if args.output:
         paths.atomic_write(Path(args.output), text.encode("utf-8"))
-        print(f"k3chat: wrote {args.output} (mode 0600)", file=sys.stderr)
+        _err(f"wrote {args.output} (mode 0600)")
     else:
-        sys.stdout.write(text)
-    return EXIT_OK
+        _stdout(text)
+    return code
 
 
 def _sessions_rename(store: HistoryStore, args: argparse.Namespace) -> int:
@@ -462,7 +657,7 @@ def _sessions_rename(store: HistoryStore, args: argparse.Namespace) -> int:
     except HistoryError as exc:
         raise _Usage(str(exc)) from None
     renamed = store.rename(info.id, args.name)
-    print(f"k3chat: renamed {info.id}: {info.name!r} -> {renamed.name!r}", file=sys.stderr)
+    _err(f"renamed {info.id}: {info.name!r} -> {renamed.name!r}")
     return EXIT_OK
 
 
@@ -472,13 +667,16 @@ def _sessions_rm(store: HistoryStore, args: argparse.Namespace) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             raise _Usage(f"refusing to delete session {info.name!r} without --yes")
-        answer = input(f"Delete session {info.name!r} ({info.id}, {info.n_messages} messages)? [y/N] ")
+        try:
+            answer = input(for_terminal(f"Delete session {info.name!r} ({info.id}, {info.n_messages} messages)? [y/N] "))
+        except EOFError:
+            answer = ""
         if answer.strip().lower() not in ("y", "yes"):
-            print("k3chat: not deleted", file=sys.stderr)
+            _err("not deleted")
             return EXIT_OK
-    store.delete(info.id)
-    delete_state(info.id)
-    print(f"k3chat: deleted session {info.name!r} ({info.id})", file=sys.stderr)
+    store.delete(info.id)  # also removes temp copies of the session file
+    delete_state(info.id)  # the state file and its temp copies
+    _err(f"deleted session {info.name!r} ({info.id})")
     return EXIT_OK
 
 

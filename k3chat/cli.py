@@ -71,7 +71,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--session", metavar="NAME", help="continue this session (id or name); created if new")
     r.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
     r.add_argument("--context", type=_positive, default=None, metavar="N",
-                   help="context limit in positions (default: the model's)")
+                   help="context limit in positions, also what the memory plan is sized for "
+                        "(default 8192, capped at the model's limit)")
     r.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
     r.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
     r.add_argument("--scalar", action="store_true", help="force the portable scalar kernels")
@@ -102,11 +103,32 @@ def _add_sessions(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("chat", help="the full-screen chat app (keyboard first; f1 lists the keys)")
+    c.add_argument("model_dir", nargs="?", default=None,
+                   help="checkpoint directory; default: `model` in config.toml")
+    c.add_argument("--demo", action="store_true",
+                   help="chat with the built-in tiny demo model (random weights; written once to the cache)")
+    c.add_argument("--session", metavar="NAME", help="resume this session (id or name); a new name starts one")
+    c.add_argument("--memory", metavar="X", default=None,
+                   help="memory budget: 12G, a preset (small, medium, large, huge), auto, or all; "
+                        "default: config.toml, else auto")
+    think = c.add_mutually_exclusive_group()
+    think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
+                       help="reasoning effort (default max, or config.toml)")
+    think.add_argument("--no-think", action="store_true", help="answer without reasoning")
+    c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096; 256 with --demo)")
+    c.add_argument("--context", type=_positive, default=None, metavar="N",
+                   help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
+    c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     _add_sessions(sub)
+    _add_chat(sub)
     helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
              "plan": "print the memory plan for a model and budget, before loading anything",
              "doctor": "this machine: CPU, memory, disk and its direct-I/O read bandwidth",
@@ -147,7 +169,48 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return sessions_main(args)
 
 
-COMMANDS = {"run": cmd_run, "sessions": cmd_sessions}
+DEMO_MAX_TOKENS = 256  # the demo model never ends its turn: keep its answers short
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat_cli import usage_error
+    from .settings import SettingsError, load_settings, merge_cli
+
+    if args.demo and args.model_dir is not None:
+        return usage_error("give MODEL_DIR or --demo, not both")
+    overrides = {
+        "model": args.model_dir,
+        "memory": args.memory,
+        "effort": args.thinking_effort,
+        "thinking": False if args.no_think else (True if args.thinking_effort else None),
+        "max_tokens": args.max_tokens if args.max_tokens is not None else (DEMO_MAX_TOKENS if args.demo else None),
+    }
+    try:
+        settings = merge_cli(load_settings(), overrides)
+    except SettingsError as exc:
+        return usage_error(str(exc))
+    if not args.demo and settings.model is None:
+        return usage_error("MODEL_DIR is required (or --demo, or set `model` in config.toml)")
+    from .app import AppUsageError, build_app
+    from .history import HistoryError
+    from .paths import UnsafePathError
+
+    try:
+        app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
+                        session=args.session, memory=args.memory, threads=args.threads, context=args.context)
+    except AppUsageError as exc:
+        return usage_error(str(exc))
+    except (HistoryError, UnsafePathError, OSError) as exc:
+        print(f"k3chat: cannot open the history: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    code = app.run()
+    if app.load_error:
+        from .app.text import neutralise
+        print(f"k3chat: cannot open the model: {neutralise(app.load_error)}", file=sys.stderr)
+    return int(code if code is not None else (app.return_code or EXIT_OK))
+
+
+COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat}
 
 
 def _passthrough() -> dict[str, str]:

@@ -54,8 +54,13 @@ from k3chat.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 4096  # G, spec 5.2
-DEFAULT_MAX_SNAPSHOTS = 3
-INITIAL_CAPACITY = 4096  # positions; the session grows (state moved over) when a turn needs more
+# The memory planner budgets exactly this many turn snapshots (k3engine.planner.DEFAULT_SNAPSHOTS,
+# each a full state export at the context): keeping more would outgrow the plan.
+DEFAULT_MAX_SNAPSHOTS = 1
+# Positions kept free beyond the spec's len(P) + G + 1, so that an answer cut at the limit can
+# still be closed (BOUNDARY + CLOSURE + end id) and re-fed by the state sync: the slack covers
+# text whose canonical encoding is a little longer than the sampled ids.
+CLOSE_SLACK = 16
 STATE_SUFFIX = ".k3state"
 # Bumped when the engine's exported state layout changes (native/k3_state.c KS_VERSION):
 # part of the fingerprint, so an old state file is refused by reason rather than by luck.
@@ -72,13 +77,15 @@ class ConversationError(Exception):
 class ContextOverflow(ConversationError):
     """The prompt plus the generation limit does not fit in the context (spec 5.2 step 3)."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int, reserve: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context = context
+        self.reserve = reserve
+        extra = f" + {reserve} to close a cut answer" if reserve else ""
         super().__init__(
             f"the conversation would overflow the context: {prompt_tokens} prompt tokens + "
-            f"{max_tokens} for the answer + 1 > {context} positions; the history was not changed"
+            f"{max_tokens} for the answer + 1{extra} > {context} positions; the history was not changed"
         )
 
 
@@ -203,12 +210,29 @@ def state_path(session_id: str) -> Path:
 
 
 def delete_state(session_id: str) -> bool:
-    """Remove a session's state file (it holds the conversation in another form)."""
+    """Remove a session's state file (it holds the conversation in another form), and any
+    temp copy a crashed save of it left behind."""
+    path = state_path(session_id)
+    paths.sweep_temps(path.parent, target=path.name, any_pid=True)
     try:
-        os.unlink(state_path(session_id))
+        os.unlink(path)
     except FileNotFoundError:
         return False
     return True
+
+
+def sweep_state_temps() -> list[Path]:
+    """Remove state-file temp copies left by processes that died while saving."""
+    return paths.sweep_temps(paths.state_dir() / "sessions")
+
+
+def default_context(model_dir: str | Path | None) -> int:
+    """The context a Conversation gets without ``context=``: the planner's default (what
+    ``open_budgeted`` plans memory for), or the model's own limit if that is smaller."""
+    from k3engine.planner import DEFAULT_CONTEXT
+
+    limit = model_max_positions(model_dir) if model_dir is not None else None
+    return min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
 
 
 def sampler_settings(
@@ -278,7 +302,7 @@ class Conversation:
         effort: str | None = "max",
         sampler: SamplerSettings | None = None,
         max_tokens: int = DEFAULT_MAX_TOKENS,
-        context: int | None = None,
+        context: int | None = None,  # N_ctx: pass the context the memory plan was made for
         state_files: bool = True,
         fingerprint: str | None = None,
         model_name: str | None = None,
@@ -299,8 +323,17 @@ class Conversation:
         self.sampler = sampler or SamplerSettings()
         self.max_tokens = max_tokens
         model_dir = getattr(model, "dir", None)
-        limit = context if context is not None else (model_max_positions(model_dir) if model_dir else None)
-        self.context = min(limit or 2**31 - 2, 2**31 - 2)
+        # N_ctx is the session's capacity, allocated once: the plan's context, never more, so
+        # the state can never outgrow the memory planned for it (no growth, no second copy).
+        max_positions = model_max_positions(model_dir) if model_dir else None
+        if context is None:
+            context = default_context(model_dir)
+        if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+            raise ValueError(f"context must be a positive number of positions, got {context!r}")
+        if max_positions is not None and context > max_positions:
+            raise ValueError(f"a context of {context:,} positions is more than the model's "
+                             f"max_position_embeddings ({max_positions:,})")
+        self.context = min(context, 2**31 - 2)
         self.state_files = state_files
         self._fingerprint = fingerprint
         self.model_name = model_name if model_name is not None else (Path(model_dir).name if model_dir else None)
@@ -315,7 +348,14 @@ class Conversation:
         self._snaps: list[_Snap] = []
         self._state_file_tried = not state_files
         self._cancel = threading.Event()
+        self._aborted = threading.Event()
         self._engine_cancel: Any = None
+        self._phase = "idle"  # idle, prefill, decode, sync, save: what cancel() may interrupt
+        if state_files:
+            try:
+                sweep_state_temps()
+            except OSError as exc:
+                log.warning("stale state temp files not removed: %s", exc)
 
     # ------------------------------------------------------------------ public API
 
@@ -338,13 +378,35 @@ class Conversation:
         """The history ends with an unanswered user message (after a crash): respond()."""
         return bool(self._records) and self._records[-1].get("role") == "user"
 
+    @property
+    def reserve(self) -> int:
+        """Positions kept free after len(P) + G + 1 (see CLOSE_SLACK)."""
+        return len(self.grammar.boundary) + len(self.grammar.closure) + 1 + CLOSE_SLACK
+
     def cancel(self) -> None:
-        """Stop the turn in flight after the step in flight (thread-safe). During a prefill
-        the engine may abort between layers; that costs a re-prefill next time, nothing else."""
+        """Stop the turn in flight after the step in flight (thread-safe; a signal handler may
+        call it). The partial answer is kept and the state stays reusable. During a prefill
+        (or the state sync after a turn) the engine may abort between layers instead; that
+        costs a re-prefill next time, nothing else."""
+        self._cancel.set()
+        flag = self._engine_cancel
+        if flag is not None and self._phase != "decode":
+            flag.set()
+
+    def abort(self) -> None:
+        """Stop now (thread-safe): also abort the engine step in flight between two layers
+        (a second Ctrl-C). The step raises Cancelled and taints the state (the next turn
+        prefills); what was generated is still parsed leniently and saved, marked interrupted,
+        and the engine state is not saved."""
+        self._aborted.set()
         self._cancel.set()
         flag = self._engine_cancel
         if flag is not None:
             flag.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
 
     def prompt_ids(self, text: str | None = None) -> list[int]:
         """The ids of the next prompt (with ``text`` as a new user message), for a context
@@ -436,39 +498,17 @@ class Conversation:
         return prompt, boundary
 
     def _check_fits(self, prompt: Sequence[int]) -> None:
-        if len(prompt) + self.max_tokens + 1 > self.context:
-            raise ContextOverflow(len(prompt), self.max_tokens, self.context)
+        # Spec 5.2 step 3 (len(P) + G + 1 > N_ctx), plus room to close an answer cut at G.
+        if len(prompt) + self.max_tokens + 1 + self.reserve > self.context:
+            raise ContextOverflow(len(prompt), self.max_tokens, self.context, self.reserve)
 
     # ------------------------------------------------------------------ engine state
 
-    def _ensure_capacity(self, needed: int) -> None:
-        cap_limit = self.context
+    def _ensure_session(self) -> None:
+        """The engine session, allocated once at the full context (N_ctx)."""
         if self._session is None:
-            self._session = self.model.session(min(cap_limit, max(needed, INITIAL_CAPACITY)))
+            self._session = self.model.session(self.context)
             self._fed = []
-            return
-        if self._session.capacity >= needed:
-            return
-        old = self._session
-        new = self.model.session(min(cap_limit, max(needed, 2 * old.capacity)))
-        live = old.export_state() if self._fed is not None and not old.tainted else None
-        moved: list[_Snap] = []
-        for snap in self._snaps:
-            try:
-                old.restore(snap.snap_id)
-                new.import_state(old.export_state())
-                moved.append(_Snap(new.snapshot(), snap.ids))
-            except Exception as exc:  # an optimisation only: a lost snapshot costs a prefill
-                log.warning("snapshot not moved to the larger session: %s", exc)
-        old.close()
-        if live is not None:
-            new.import_state(live)
-        elif moved:
-            new.restore(moved[-1].snap_id)
-            self._fed = list(moved[-1].ids)
-        else:
-            self._fed = None  # nothing to keep: the next positioning resets the session
-        self._session, self._snaps = new, moved
 
     def _live_usable(self) -> bool:
         return self._session is not None and self._fed is not None and not self._session.tainted
@@ -543,25 +583,28 @@ class Conversation:
             return None, None, f"saved state does not match the history ({why}); prefilling the history"
         return sf.payload, ids, None
 
-    def _snapshot_here(self) -> None:
-        """Keep a snapshot of the current state (a turn boundary), at most max_snapshots."""
+    def _snapshot_here(self) -> bool:
+        """Keep a snapshot of the current state, never more than max_snapshots at any moment:
+        the oldest is dropped *before* the new copy is made (the plan has room for that many
+        and no more). True if the current state is now held by a snapshot."""
         if self.max_snapshots == 0 or not self._live_usable() or not self._fed:
-            return
+            return False
         fed = self._fed
         if any(len(s.ids) == len(fed) and s.ids == fed for s in self._snaps):
-            return
-        try:
-            snap_id = self._session.snapshot()
-        except Exception as exc:  # out of memory for a copy: an optimisation lost, nothing else
-            log.warning("no turn-boundary snapshot: %s", exc)
-            return
-        self._snaps.append(_Snap(snap_id, list(fed)))
-        while len(self._snaps) > self.max_snapshots:
+            return True
+        while len(self._snaps) >= self.max_snapshots:
             old = self._snaps.pop(0)
             try:
                 self._session.drop_snapshot(old.snap_id)
             except Exception:
                 pass
+        try:
+            snap_id = self._session.snapshot()
+        except Exception as exc:  # out of memory for a copy: an optimisation lost, nothing else
+            log.warning("no turn-boundary snapshot: %s", exc)
+            return False
+        self._snaps.append(_Snap(snap_id, list(fed)))
+        return True
 
     def _feed(self, ids: Sequence[int], *, cancellable: bool) -> Any:
         """Feed and mirror into _fed; a failed or cancelled feed leaves _fed unknown."""
@@ -584,12 +627,15 @@ class Conversation:
 
         if self._engine_cancel is None:
             self._engine_cancel = CancelFlag()
-            if self._cancel.is_set():
-                self._engine_cancel.set()
+        self._phase = "prefill"
+        if self._cancel.is_set():  # asked to stop before the turn started
+            self._engine_cancel.set()
         try:
             return self._generate(prompt, boundary, on_event)
         finally:
+            self._phase = "idle"
             self._cancel.clear()
+            self._aborted.clear()
             self._engine_cancel.clear()
 
     def _generate(self, prompt: list[int], boundary: int, on_event: EventHandler) -> TurnResult:
@@ -599,7 +645,7 @@ class Conversation:
         turn = sum(1 for r in self._records if r.get("role") == "assistant") + 1
         thinking, effort, settings, limit = self.thinking, self.effort, self.sampler, self.max_tokens
         emit = on_event
-        self._ensure_capacity(len(prompt) + limit + 1)
+        self._ensure_session()
         reused, source, note = self._position_at(prompt)
         if note:
             emit(Notice("state", note))
@@ -609,12 +655,18 @@ class Conversation:
         emit(PhaseChanged("prefill"))
         t0 = time.perf_counter()
         try:
+            # One snapshot per turn (the plan budgets one): the turn boundary, which makes
+            # regenerate and edit-last cheap; with nothing before this message, the prompt
+            # itself, so a state sync after the answer restarts there rather than at 0.
+            at_boundary = False
             if reused >= boundary - 1 and reused > 0:
-                self._snapshot_here()  # the state at this turn's start (the end of the last)
+                at_boundary = self._snapshot_here()  # this turn's start (the end of the last)
             elif boundary > reused:
                 self._feed(prompt[reused:boundary], cancellable=True)
-                self._snapshot_here()
+                at_boundary = self._snapshot_here()
             logits = self._feed(prompt[len(self._fed or []):], cancellable=True)
+            if not at_boundary:
+                self._snapshot_here()
         except Cancelled:
             st.prefill_s = time.perf_counter() - t0
             return self._finish(st, [], "cancelled", emit)
@@ -629,6 +681,7 @@ class Conversation:
         phase = "reasoning" if thinking else "answer"
         emit(PhaseChanged(phase))  # type: ignore[arg-type]
         generated: list[int] = []
+        self._phase = "decode"  # from here a first cancel() lets the step in flight finish
         stop = "cancelled" if self._cancel.is_set() else ""
         t1 = time.perf_counter()
         try:
@@ -650,7 +703,13 @@ class Conversation:
                 elif self._cancel.is_set():
                     stop = "cancelled"  # checked at the top of the next step (spec 5.4)
                 else:
-                    logits = self._feed([token], cancellable=False)  # the step in flight completes
+                    # The step in flight completes on cancel(); only abort() sets the engine's
+                    # flag during decoding, and then the step stops between layers.
+                    try:
+                        logits = self._feed([token], cancellable=True)
+                    except Cancelled:
+                        stop = "cancelled"  # the state is tainted; the text is kept below
+                        break
                     st.decode_s = time.perf_counter() - t1
                     if len(generated) % self.stats_every == 0:
                         self._emit_stats(st, len(generated), emit)
@@ -764,15 +823,26 @@ class Conversation:
     def _checkpoint(self, result: TurnResult, emit: EventHandler, *, cancelled: bool) -> None:
         """Save the engine state for the next run. If what was fed is not a prefix of the
         stored history (an answer cut at a control id, or text that re-encodes differently),
-        first bring the state in line from a snapshot, unless the user asked to stop."""
-        from k3engine.model import EngineError
+        first bring the state in line from a snapshot, unless the user asked to stop. After
+        abort() nothing is done: the user wants out now."""
+        from k3engine.model import Cancelled, EngineError
 
+        if self._aborted.is_set():
+            return
         rendered = self._render_ids(self._records, False)
-        if not (self._live_usable() and self._fed and _is_prefix(self._fed, rendered)) and not cancelled:
+        in_line = self._live_usable() and self._fed and _is_prefix(self._fed, rendered)
+        if not in_line and not cancelled and not self._cancel.is_set():
+            if len(rendered) > self._session.capacity:
+                emit(Notice("state", f"engine state not saved (the stored history is {len(rendered)} tokens, "
+                                     f"the context {self._session.capacity}); the next run prefills the history"))
+                return
             candidates = [s for s in self._snaps if _extends(s.ids, rendered)]
             best = max(candidates, key=lambda s: len(s.ids), default=None)
             start = len(best.ids) if best is not None else 0
             emit(PhaseChanged("sync"))
+            self._phase = "sync"
+            if self._cancel.is_set():  # a cancel() that saw the decode phase
+                self._engine_cancel.set()
             try:
                 if best is not None:
                     self._session.restore(best.snap_id)
@@ -782,16 +852,31 @@ class Conversation:
                 if start < len(rendered):
                     self._feed(rendered[start:], cancellable=True)
                     result.sync_tokens = len(rendered) - start
+            except Cancelled:
+                return  # stopped on request: the next run prefills
             except (EngineError, MemoryError, ValueError) as exc:
                 log.warning("engine state not brought in line with the history: %s", exc)
-        if not (self._live_usable() and self._fed and _is_prefix(self._fed, rendered)):
+            finally:
+                self._phase = "save"
+        if self._aborted.is_set() or not (self._live_usable() and self._fed and _is_prefix(self._fed, rendered)):
             return
+        self._save_state(result, emit)
+
+    def _save_state(self, result: TurnResult, emit: EventHandler) -> None:
+        from k3engine.model import EngineError
+
         try:
             path = state_path(self.session_id)
             paths.ensure_private_dir(paths.state_dir())
-            statefile.save_state(path, self._session.export_state(), fingerprint=self.fingerprint,
-                                 n_tokens=len(self._fed))
+            payload = self._session.export_state()  # the one extra copy, dropped right after
+            try:
+                statefile.save_state(path, payload, fingerprint=self.fingerprint, n_tokens=len(self._fed or []),
+                                     cancel=self._aborted.is_set)
+            finally:
+                del payload
             result.state_saved = True
+        except statefile.SaveCancelled:
+            pass  # abort(): the user wants out; the next run prefills
         except (OSError, EngineError, ValueError) as exc:
             emit(Notice("state", f"engine state not saved ({exc}); the next run prefills the history"))
 

@@ -29,12 +29,13 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from k3chat import paths
+from k3chat.display import for_terminal, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ ROLES = ("system", "user", "assistant")
 EFFORTS = ("low", "high", "max")
 MAX_NAME_LEN = 200
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# Names are shown on one line in the browser, in `sessions list` and in Markdown headings: no
+# C0/C1 controls (ESC, the 8-bit CSI U+009B ...), DEL, bidi embeddings/overrides/isolates.
+_NAME_BAD_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _LONE_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
 _U64_MAX = 2**64 - 1
 
@@ -139,6 +142,8 @@ def _metadata_problem(key: str, value: object) -> str | None:
     """Type rules for the metadata fields (design 3): time, model, effort, sampler, ..."""
     if key == "time":
         return None if _is_number(value) and value >= 0 else "time must be UNIX seconds"  # type: ignore[operator]
+    if key == "seq":
+        return None if _is_count(value) and value >= 1 else "seq must be an integer >= 1"  # type: ignore[operator]
     if key == "model":
         return _string_problem("model", value)
     if key == "thinking":
@@ -187,15 +192,27 @@ def _order_problem(previous: str | None, role: str) -> str | None:
     return f"a {role!r} record cannot come {after} (expected {' or '.join(allowed)})"
 
 
-def _check_name(name: object) -> str:
+def _name_problem(name: object) -> str | None:
     if not isinstance(name, str) or not name.strip():
-        raise HistoryError("a session name must be a non-empty string")
+        return "a session name must be a non-empty string"
     if len(name) > MAX_NAME_LEN:
-        raise HistoryError(f"a session name is limited to {MAX_NAME_LEN} characters")
-    # Names are shown on one line in the browser and written into Markdown headings.
-    if _CONTROL_RE.search(name) or _LONE_SURROGATE_RE.search(name):
-        raise HistoryError("a session name cannot contain control characters")
-    return name
+        return f"a session name is limited to {MAX_NAME_LEN} characters"
+    if _NAME_BAD_RE.search(name) or _LONE_SURROGATE_RE.search(name):
+        return "a session name cannot contain control characters (including C1 and bidi controls)"
+    return None
+
+
+def _check_name(name: object) -> str:
+    problem = _name_problem(name)
+    if problem is not None:
+        raise HistoryError(problem)
+    return name  # type: ignore[return-value]
+
+
+def display_name(name: str) -> str:
+    """A name read from a file that ``_check_name`` would refuse, made safe to show on one
+    line: controls become visible escapes (display.for_terminal), newlines and tabs too."""
+    return for_terminal(name).replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _check_id(session_id: object) -> str:
@@ -234,36 +251,95 @@ class _Parsed:
     model: str | None
     last_role: str | None
     ends_with_newline: bool
+    seqs: list[int] = field(default_factory=list)  # each kept record's sequence number
+    last_seq: int = 0  # the highest sequence number any record line has had
+    skipped: int = 0  # damaged lines so far (a count-based truncate after one is unreliable)
+
+
+def _meta_name(obj: Mapping[str, Any], number: int, parsed: _Parsed, what: str) -> str | None:
+    name = obj.get("name")
+    if not isinstance(name, str):
+        parsed.problems.append(f"line {number}: {what} has no valid name")
+        return None
+    problem = _name_problem(name)
+    if problem is not None:
+        shown = display_name(name) if name.strip() else None
+        parsed.problems.append(f"line {number}: {what} name refused ({problem})"
+                               + ("; it is shown with its controls escaped" if shown else ""))
+        return shown
+    return name
+
+
+def _parse_truncate(obj: Mapping[str, Any], number: int, parsed: _Parsed) -> None:
+    """Regenerate / edit-last: later records are superseded. They stay in the file (it is only
+    ever appended to) but are no longer part of the conversation.
+
+    A truncate line names the sequence number of the last record it keeps (``seq``), so a
+    damaged or missing line before it cannot shift what it cuts; ``records`` (the count kept)
+    is checked against the result. Files written before sequence numbers have ``records`` only.
+    """
+    seq, count = obj.get("seq"), obj.get("records")
+    if _is_count(seq):
+        # Sequence numbers only grow along the file, so the kept records are a prefix.
+        keep = next((i for i, s in enumerate(parsed.seqs) if s > seq), len(parsed.seqs))
+        missing = seq > 0 and (keep == 0 or parsed.seqs[keep - 1] != seq)
+        del parsed.records[keep:], parsed.seqs[keep:]
+        if missing:
+            parsed.problems.append(
+                f"line {number}: truncate could not be applied exactly: the last record it keeps "
+                f"(number {seq}) is missing, so a line before it was damaged or lost; {keep} record(s) "
+                "numbered up to it are kept; check the conversation")
+        elif _is_count(count) and count != keep:
+            parsed.problems.append(
+                f"line {number}: truncate could not be applied exactly: it kept {count} record(s) when "
+                f"it was written, {keep} now, so a line before it was damaged or lost; check the "
+                "conversation")
+    elif _is_count(count):
+        if parsed.skipped:
+            parsed.problems.append(
+                f"line {number}: truncate (old format, a record count) after {parsed.skipped} damaged "
+                "line(s): it may keep a superseded answer or drop a kept one; check the conversation")
+        elif count > len(parsed.records):
+            parsed.problems.append(f"line {number}: truncate keeps {count} records but only "
+                                   f"{len(parsed.records)} exist; check the conversation")
+        del parsed.records[count:], parsed.seqs[count:]
+    else:
+        parsed.skipped += 1
+        parsed.problems.append(f"line {number}: truncate line without a valid seq or record count, skipped; "
+                               "superseded answers may be shown")
+        return
+    parsed.last_role = parsed.records[-1]["role"] if parsed.records else None
 
 
 def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
     kind = obj.get(META_KEY)
     if kind == "session" and number == 1:
-        name, created, model = obj.get("name"), obj.get("created"), obj.get("model")
-        parsed.name = name if isinstance(name, str) else None
+        created, model = obj.get("created"), obj.get("model")
+        parsed.name = _meta_name(obj, number, parsed, "the session header")
         parsed.created = float(created) if _is_number(created) else None
         parsed.model = model if isinstance(model, str) else None
     elif kind == "rename" and isinstance(obj.get("name"), str):
-        parsed.name = obj["name"]
-    elif kind == "truncate" and _is_count(obj.get("records")):
-        # Regenerate / edit-last: later records are superseded. They stay in the file (it is
-        # only ever appended to) but are no longer part of the conversation.
-        del parsed.records[obj["records"]:]
-        parsed.last_role = parsed.records[-1]["role"] if parsed.records else None
+        parsed.name = _meta_name(obj, number, parsed, "a rename") or parsed.name
+    elif kind == "truncate":
+        _parse_truncate(obj, number, parsed)
     else:
-        parsed.problems.append(f"line {number}: unexpected store line {kind!r}, skipped")
+        parsed.skipped += 1
+        parsed.problems.append(f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
 
 
 def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
     if not raw.strip():
+        parsed.skipped += 1
         parsed.problems.append(f"line {number}: blank line, skipped")
         return
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
+        parsed.skipped += 1
         parsed.problems.append(f"line {number}: not valid UTF-8, skipped")
         return
     except json.JSONDecodeError as exc:
+        parsed.skipped += 1
         parsed.problems.append(f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}), skipped")
         return
     if isinstance(obj, dict) and META_KEY in obj:
@@ -271,13 +347,22 @@ def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
         return
     problem = record_problem(obj)
     if problem is not None:
-        parsed.problems.append(f"line {number}: invalid record ({problem}), skipped")
+        parsed.skipped += 1
+        parsed.problems.append(f"line {number}: invalid record ({for_terminal(problem)}), skipped")
         return
+    # Records written since sequence numbers carry their own; older ones are numbered by
+    # their place among the record lines, as the writer of an old truncate line counted them.
+    seq = obj.get("seq", parsed.last_seq + 1)
+    if seq <= parsed.last_seq:
+        parsed.problems.append(f"line {number}: sequence number {seq} does not follow {parsed.last_seq}; "
+                               "the file was edited or a line repeated")
     order = _order_problem(parsed.last_role, obj["role"])
     if order is not None:
         # Kept: a lost line in between is the usual cause, and dropping this one would lose more.
         parsed.problems.append(f"line {number}: {order}; a record before it may have been lost")
     parsed.records.append(obj)
+    parsed.seqs.append(seq)
+    parsed.last_seq = max(parsed.last_seq, seq)
     parsed.last_role = obj["role"]
     if isinstance(obj.get("model"), str):
         parsed.model = obj["model"]
@@ -311,6 +396,7 @@ class _Tail:
     key: tuple[int, int]  # (st_ino, st_size)
     last_role: str | None
     ends_with_newline: bool
+    last_seq: int  # the highest record sequence number in the file
 
 
 class HistoryStore:
@@ -322,6 +408,8 @@ class HistoryStore:
             root = paths.data_dir() / "sessions"
         self.root = paths.ensure_private_dir(Path(root))
         self._tails: dict[str, _Tail] = {}
+        # Temp files of writers that died mid-write hold conversation text: remove them.
+        paths.sweep_temps(self.root)
 
     # ---- public API
 
@@ -372,10 +460,8 @@ class HistoryStore:
             raise HistoryError(f"refusing to save an invalid record: {problem}")
         stored = _ordered(record)
         stored.setdefault("time", time.time())
-        line = _encode_line(stored)
-        written = json.loads(line)  # exactly what load() will return for this line
-        self._append_line(session_id, line, written)
-        return written
+        stored.pop("seq", None)  # the store numbers records itself, under the file lock
+        return self._append_line(session_id, stored)
 
     def load(self, session_id: str) -> LoadedSession:
         _check_id(session_id)
@@ -393,7 +479,7 @@ class HistoryStore:
         _check_name(name)
         # Appended, not rewritten: the record lines are never touched after they are written.
         meta = {META_KEY: "rename", "name": name, "time": time.time()}
-        self._append_line(session_id, _encode_line(meta), meta)
+        self._append_line(session_id, meta)
         return self.info(session_id)
 
     def truncate(self, session_id: str, n_records: int) -> LoadedSession:
@@ -406,12 +492,17 @@ class HistoryStore:
         _check_id(session_id)
         if not _is_count(n_records):
             raise HistoryError(f"truncate needs a record count >= 0, got {n_records!r}")
-        current = len(self.load(session_id).records)
+        data, _ = self._read(session_id)
+        parsed = _parse_file(data)
+        current = len(parsed.records)
         if n_records > current:
             raise HistoryError(f"session {session_id!r} has {current} records, cannot keep {n_records}")
         if n_records < current:
-            meta = {META_KEY: "truncate", "records": n_records, "time": time.time()}
-            self._append_line(session_id, _encode_line(meta), meta)
+            # Anchored to the last kept record's sequence number, not to a count a damaged
+            # line could shift; the count is kept as a check (and for the index).
+            last_seq = parsed.seqs[n_records - 1] if n_records else 0
+            meta = {META_KEY: "truncate", "seq": last_seq, "records": n_records, "time": time.time()}
+            self._append_line(session_id, meta)
         return self.load(session_id)
 
     def delete(self, session_id: str) -> None:
@@ -428,15 +519,23 @@ class HistoryStore:
                 raise HistoryError(f"no session {session_id!r}") from None
             except OSError as exc:
                 raise HistoryError(f"could not delete session {session_id!r}: {_reason(exc)}") from exc
+            # A temp copy left by a crashed write of this session goes with it, whoever made it.
+            paths.sweep_temps(self.root, target=f"{session_id}{SUFFIX}", any_pid=True)
             paths.fsync_dir(self.root)
             self._tails.pop(session_id, None)
             self._current_index()  # drops the entry of the file that is gone
 
     def export_markdown(self, session_id: str) -> str:
+        """The conversation for reading. Inert by construction: every message and every
+        reasoning block is in a fenced code block whose fence is longer than any backtick run
+        inside it, and names are backslash-escaped, so no viewer renders model text as links,
+        images or HTML (an export never fetches anything); control characters are shown as
+        visible escapes (display.for_terminal), so printing it cannot drive a terminal. For a
+        faithful copy of the text use the JSON export."""
         loaded = self.load(session_id)
         info = loaded.info
-        out = [f"# {info.name}", "", f"Session `{info.id}`, created {_iso(info.created)}"
-               + (f", model {info.model}" if info.model else "") + "."]
+        out = [f"# {_md_inline(info.name)}", "", f"Session `{info.id}`, created {_iso(info.created)}"
+               + (f", model {_md_inline(info.model)}" if info.model else "") + "."]
         if loaded.problems:
             out += ["", f"> {len(loaded.problems)} damaged line(s) were skipped in this export."]
         for record in loaded.records:
@@ -444,7 +543,8 @@ class HistoryStore:
         return "\n".join(out) + "\n"
 
     def export_json(self, session_id: str) -> str:
-        """Everything we know, metadata included; ``json.loads`` gives back the records."""
+        """Everything we know, metadata included; ``json.loads`` gives back the records.
+        Control characters JSON leaves raw (DEL, C1, bidi) are written as \\u escapes."""
         loaded = self.load(session_id)
         info = loaded.info
         doc = {
@@ -455,23 +555,49 @@ class HistoryStore:
             "records": loaded.records,
             "problems": loaded.problems,
         }
-        return json.dumps(doc, ensure_ascii=False, indent=2) + "\n"
+        return json_safe(json.dumps(doc, ensure_ascii=False, indent=2)) + "\n"
 
     def export_peer_jsonl(self, session_id: str) -> str:
-        """JSONL for kimi-k3-in-c's strict ``--history`` reader: role, content,
-        reasoning_content only, in that order (spec 5.1: "an export for the peer drops it")."""
+        """JSONL for kimi-k3-in-c's strict ``--history`` reader (see export_peer_jsonl_checked)."""
+        return self.export_peer_jsonl_checked(session_id)[0]
+
+    def export_peer_jsonl_checked(self, session_id: str) -> tuple[str, list[str]]:
+        """(JSONL for kimi-k3-in-c's strict ``--history`` reader, warnings).
+
+        Only role, content and reasoning_content, in that order (spec 5.1: "an export for the
+        peer drops it"). Records k3chat does not render (an interrupted answer with nothing in
+        it, spec 5.4) are left out, so the peer is given the conversation our model saw. The
+        warnings name every damaged line the export could not include, every record left out,
+        and a left-out record that leaves two user messages in a row (the peer refuses those).
+        """
+        from k3chat.template import _skipped
+
+        loaded = self.load(session_id)
+        warnings = [f"damaged line not exported: {p}" for p in loaded.problems]
         lines = []
-        for record in self.load(session_id).records:
+        previous: str | None = None
+        dropped_at: int | None = None
+        for number, record in enumerate(loaded.records, start=1):
+            if _skipped(record):
+                warnings.append(f"record {number}: an empty interrupted answer, left out (k3chat does not "
+                                "render it either)")
+                dropped_at = number
+                continue
+            if previous == record["role"] == "user" and dropped_at is not None:
+                warnings.append(f"record {number}: follows another user message once record {dropped_at} is "
+                                "left out; the peer's reader refuses two user messages in a row")
             out = {"role": record["role"], "content": record["content"]}
             if record["role"] == "assistant" and "reasoning_content" in record:
                 out["reasoning_content"] = record["reasoning_content"]
-            lines.append(json.dumps(out, ensure_ascii=False))
-        return "".join(line + "\n" for line in lines)
+            lines.append(json_safe(json.dumps(out, ensure_ascii=False)))
+            previous = record["role"]
+        return "".join(line + "\n" for line in lines), warnings
 
     # ---- appending
 
-    def _append_line(self, session_id: str, line: bytes, obj: Mapping[str, Any]) -> None:
-        """Append one encoded line (a record, or a store line when ``obj`` has META_KEY)."""
+    def _append_line(self, session_id: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Append one line: a record (numbered here, with the next sequence number) or a store
+        line (``obj`` has META_KEY). Returns what load() will read back for it."""
         role = None if META_KEY in obj else obj["role"]
         path = self._path(session_id)
         try:
@@ -484,10 +610,15 @@ class HistoryStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             st = os.fstat(fd)
             tail = self._tail(session_id, st)
+            seq = tail.last_seq
             if role is not None:
                 problem = _order_problem(tail.last_role, role)
                 if problem is not None:
                     raise HistoryError(f"refusing to save: {problem}")
+                seq += 1
+                obj = _ordered({**obj, "seq": seq})
+            line = _encode_line(obj)
+            written = json.loads(line)  # exactly what load() will return for this line
             if not tail.ends_with_newline:
                 # A crash left a partial line: end it so it stays one reported, skipped line
                 # instead of swallowing this record too.
@@ -497,7 +628,7 @@ class HistoryStore:
             if obj.get(META_KEY) == "truncate":
                 self._tails.pop(session_id, None)  # the last role changed: re-read when needed
             else:
-                self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True)
+                self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True, seq)
             try:
                 self._update_index_after_append(session_id, st, size, obj)
             except OSError as exc:
@@ -505,6 +636,7 @@ class HistoryStore:
                 log.warning("history index not updated (%s); it will be rebuilt", _reason(exc))
         finally:
             os.close(fd)  # also releases the flock
+        return written
 
     def _write_durably(self, fd: int, path: Path, line: bytes, old_size: int) -> None:
         try:
@@ -530,7 +662,7 @@ class HistoryStore:
             return cached
         data, _ = self._read(session_id)
         parsed = _parse_file(data[: st.st_size])
-        tail = _Tail((st.st_ino, st.st_size), parsed.last_role, parsed.ends_with_newline)
+        tail = _Tail((st.st_ino, st.st_size), parsed.last_role, parsed.ends_with_newline, parsed.last_seq)
         self._tails[session_id] = tail
         return tail
 
@@ -692,6 +824,27 @@ def _info(session_id: str, entry: Mapping[str, Any]) -> SessionInfo:
     return SessionInfo(session_id, name, float(created), float(updated), n_messages, model)
 
 
+_MD_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
+_BACKTICKS = re.compile(r"`+")
+
+
+def _md_inline(text: str) -> str:
+    """One line of Markdown text that renders as itself: every ASCII punctuation character
+    backslash-escaped (no links, images, HTML, emphasis or headings can start), controls
+    shown as escapes."""
+    return _MD_PUNCTUATION.sub(r"\\\1", display_name(text))
+
+
+def _fenced(text: str) -> list[str]:
+    """``text`` as a fenced code block that nothing inside can close: the fence is longer
+    than the longest run of backticks in it (CommonMark closes a fence only with at least as
+    many). Controls are shown as visible escapes."""
+    text = for_terminal(text)
+    longest = max((len(run) for run in _BACKTICKS.findall(text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + "text", *text.split("\n"), fence]
+
+
 def _markdown_record(record: Mapping[str, Any]) -> list[str]:
     heading = f"## {record['role'].capitalize()}"
     if _is_number(record.get("time")):
@@ -701,9 +854,8 @@ def _markdown_record(record: Mapping[str, Any]) -> list[str]:
     out = [heading, ""]
     reasoning = record.get("reasoning_content")
     if reasoning:
-        # A blockquote, line by line: safe whatever the reasoning contains, unlike <details>.
-        out += ["> **Reasoning**", ">", *(f"> {line}".rstrip() for line in reasoning.split("\n")), ""]
-    out.append(record["content"])
+        out += ["Reasoning:", "", *_fenced(reasoning), "", "Answer:", ""]
+    out += _fenced(record["content"])
     return out
 
 

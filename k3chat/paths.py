@@ -11,6 +11,7 @@ tests use it so they never touch the real home. POSIX only (the store relies on 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterable
@@ -134,6 +135,62 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_TEMP_RE = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{12}\.tmp")
+
+
+def temp_name(path: Path) -> Path:
+    """A fresh temp path next to ``path``: ``.<name>.<pid>.<12 hex>.tmp`` (see sweep_temps)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    except OverflowError:
+        return False
+    return True
+
+
+def sweep_temps(directory: Path, *, target: str | None = None, any_pid: bool = False) -> list[Path]:
+    """Remove atomic_write temp files in ``directory`` left by processes that died mid-write
+    (a crash, a kill -9, a power cut): they hold the same private text as the file they were
+    to replace, and nothing else would ever remove them.
+
+    ``target`` limits the sweep to temp files for that file name; ``any_pid`` removes them
+    even if their writer still runs (used when that file is being deleted, so no copy of it
+    survives). Best effort: a missing directory or a file that vanished meanwhile is fine.
+    Returns the paths removed.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        m = _TEMP_RE.fullmatch(entry.name)
+        if m is None or (target is not None and m["target"] != target):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            continue
+        if not any_pid and _pid_alive(int(m["pid"])):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # not ours to remove (e.g. a read-only mount): left for the next sweep
+        removed.append(Path(entry.path))
+    return removed
+
+
 def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> None:
     """Replace ``path`` with ``data`` (bytes, or chunks to avoid copying a large payload).
 
@@ -141,7 +198,7 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> None:
     the directory. On any failure the temp file is removed and ``path`` is unchanged.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    tmp = temp_name(path)
     chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     fd = private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:

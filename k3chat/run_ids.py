@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from . import paths
 from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from .display import for_terminal
+
+
+def _err(message: str) -> None:
+    """A status line on standard error; messages quote paths and engine text: controls shown."""
+    print(for_terminal(f"k3chat: {message}"), file=sys.stderr, flush=True)
 
 
 class _StopRequest:
@@ -33,7 +40,8 @@ class _StopRequest:
         if self.requested.is_set():
             os._exit(EXIT_INTERRUPTED)
         self.requested.set()
-        print("\nk3chat: stopping after the current step (Ctrl-C again to quit now)", file=sys.stderr)
+        print(file=sys.stderr)
+        _err("stopping after the current step (Ctrl-C again to quit now)")
 
     def __enter__(self) -> "_StopRequest":
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -64,12 +72,9 @@ def _token_row(seconds: float, d: dict[str, int]) -> dict[str, Any]:
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # Private (0600) and atomic through an unpredictable O_EXCL|O_NOFOLLOW temp file, like
+    # every file k3chat writes: a planted symlink at "<path>.tmp" cannot redirect it.
+    paths.atomic_write(Path(path), json.dumps(payload).encode("utf-8"))
 
 
 def run_ids(args: argparse.Namespace) -> int:
@@ -79,6 +84,12 @@ def run_ids(args: argparse.Namespace) -> int:
     from k3engine.planner import PlanError
     from k3engine.sizes import MemorySizeError
 
+    from .chat_cli import json_path_problem
+
+    problem = json_path_problem(args.json_out)
+    if problem is not None:
+        _err(problem)
+        return EXIT_USAGE
     threads = args.threads or os.cpu_count() or 1
     memory = args.memory or "auto"
     try:
@@ -86,23 +97,29 @@ def run_ids(args: argparse.Namespace) -> int:
                                lookahead=args.lookahead, threads=min(threads, 64), scalar=args.scalar)
         model = opened.model
     except (PlanError, MemorySizeError) as exc:
-        print(f"k3chat: {exc}", file=sys.stderr)
+        _err(str(exc))
         return EXIT_USAGE
     except ValueError as exc:
-        print(f"k3chat: {exc}", file=sys.stderr)
+        _err(str(exc))
         return EXIT_USAGE
     except CheckpointError as exc:
-        print(f"k3chat: cannot open {args.model_dir}:\n{exc}", file=sys.stderr)
+        _err(f"cannot open {args.model_dir}:\n{exc}")
         return EXIT_USAGE
     except FileNotFoundError as exc:
-        print(f"k3chat: {exc}", file=sys.stderr)
+        _err(str(exc))
         return EXIT_USAGE
     except EngineError as exc:
-        print(f"k3chat: the engine refused {args.model_dir}: {exc}", file=sys.stderr)
+        _err(f"the engine refused {args.model_dir}: {exc}")
         return EXIT_EXPERT_IO if isinstance(exc, ExpertReadError) else EXIT_RUNTIME
+    except MemoryError:
+        _err(f"out of memory opening {args.model_dir}; try a smaller --memory")
+        return EXIT_RUNTIME
+    except (OSError, KeyError, TypeError) as exc:
+        _err(f"cannot open {args.model_dir}: {exc}")
+        return EXIT_USAGE
     bad = [i for i in args.ids if i >= model.vocab]
     if bad:
-        print(f"k3chat: --ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})", file=sys.stderr)
+        _err(f"--ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})")
         return EXIT_USAGE
     generated: list[int] = []
     per_token: list[dict[str, Any]] = []
@@ -162,10 +179,10 @@ def run_ids(args: argparse.Namespace) -> int:
         try:
             _write_json(args.json_out, payload)
         except OSError as exc:
-            print(f"k3chat: cannot write {args.json_out}: {exc}", file=sys.stderr)
+            _err(f"cannot write {args.json_out}: {exc}")
             return code or EXIT_RUNTIME
     if error:
-        print(f"k3chat: generation failed: {error}", file=sys.stderr)
+        _err(f"generation failed: {error}")
     print("generated:", ",".join(str(i) for i in generated))
     if payload["seconds_per_token"] is not None:
         print(f"{payload['seconds_per_token']:.4f} s/token over {len(step_seconds)} decode steps")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +78,20 @@ def model_fingerprint(config_json_bytes: bytes, index_or_header_bytes: bytes, *,
     return "sha256:" + h.hexdigest()
 
 
-def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int) -> None:
-    """Write atomically (0600, in a 0700 directory): a crash leaves the old file or the new."""
+class SaveCancelled(Exception):
+    """save_state stopped because ``cancel()`` said so; the old file (if any) is unchanged."""
+
+
+_WRITE_CHUNK = 64 << 20
+
+
+def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int,
+               cancel: Callable[[], bool] | None = None) -> None:
+    """Write atomically (0600, in a 0700 directory): a crash leaves the old file or the new.
+
+    ``cancel`` is polled between 64 MiB pieces of the payload (a second Ctrl-C during a large
+    save); when it returns True the temp file is removed and SaveCancelled raised.
+    """
     path = Path(path)
     fp = fingerprint.encode("utf-8")
     if not 0 < len(fp) <= _MAX_FINGERPRINT:
@@ -88,31 +101,58 @@ def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int) -
     header = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(fp)) + fp + _COUNTS.pack(n_tokens, len(payload))
     digest = hashlib.sha256(header)
     digest.update(payload)
+
+    def pieces() -> Iterator[bytes | memoryview]:
+        yield header
+        yield digest.digest()
+        view = memoryview(payload)  # slices of it, never copies
+        for start in range(0, len(view), _WRITE_CHUNK):
+            if cancel is not None and cancel():
+                raise SaveCancelled("state save cancelled")
+            yield view[start : start + _WRITE_CHUNK]
+
     # The payload holds the conversation in another form: same privacy rules as the history.
     paths.ensure_private_dir(path.parent)
-    paths.atomic_write(path, [header, digest.digest(), payload])
+    paths.atomic_write(path, pieces())
 
 
 def load_state(path: Path, *, fingerprint: str) -> StateFile:
-    """Read and verify; raise StateFileError(reason) unless every check passes."""
-    data = _read(Path(path))
-    version, fp_len = _check_prefix(data)
-    offset = _PREFIX.size
-    stored_fp_bytes = data[offset : offset + fp_len]
-    offset += fp_len
-    if len(data) < offset + _COUNTS.size + _DIGEST_LEN:
-        raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(data)} bytes)")
-    n_tokens, payload_len = _COUNTS.unpack_from(data, offset)
-    offset += _COUNTS.size
-    header_end = offset
-    stored_digest = data[offset : offset + _DIGEST_LEN]
-    offset += _DIGEST_LEN
-    actual_len = len(data) - offset
+    """Read and verify; raise StateFileError(reason) unless every check passes.
+
+    The header is read first and the payload straight into its own buffer, so a state of
+    several gigabytes is held once, not once as the file and again as the payload.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise StateFileError(MISSING, f"no state file at {path}") from None
+    except OSError as exc:
+        raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        with f:
+            head = f.read(_PREFIX.size + _MAX_FINGERPRINT + _COUNTS.size + _DIGEST_LEN)
+            version, fp_len = _check_prefix(head)
+            offset = _PREFIX.size
+            stored_fp_bytes = head[offset : offset + fp_len]
+            offset += fp_len
+            if len(head) < offset + _COUNTS.size + _DIGEST_LEN:
+                raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(head)} bytes)")
+            n_tokens, payload_len = _COUNTS.unpack_from(head, offset)
+            offset += _COUNTS.size
+            header_end = offset
+            stored_digest = head[offset : offset + _DIGEST_LEN]
+            offset += _DIGEST_LEN
+            f.seek(offset)
+            payload = f.read()
+    except OSError as exc:
+        raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
+    actual_len = len(payload)
     if actual_len != payload_len:
         what = "truncated" if actual_len < payload_len else "has trailing bytes"
         raise StateFileError(LENGTH_MISMATCH, f"payload {what}: header says {payload_len} bytes, file has {actual_len}")
-    digest = hashlib.sha256(data[:header_end])
-    digest.update(memoryview(data)[offset:])
+    digest = hashlib.sha256(head[:header_end])
+    digest.update(payload)
     if digest.digest() != stored_digest:
         raise StateFileError(CHECKSUM_MISMATCH, "checksum mismatch: the state file is corrupt")
     # Checked after the checksum, so a damaged fingerprint field reads as corruption, and a
@@ -120,17 +160,7 @@ def load_state(path: Path, *, fingerprint: str) -> StateFile:
     stored_fp = stored_fp_bytes.decode("utf-8", errors="replace")
     if stored_fp != fingerprint:
         raise StateFileError(FINGERPRINT_MISMATCH, f"made for another model ({_short(stored_fp)}, this is {_short(fingerprint)})")
-    return StateFile(bytes(memoryview(data)[offset:]), n_tokens, stored_fp, version)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise StateFileError(MISSING, f"no state file at {path}") from None
-    except OSError as exc:
-        raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
+    return StateFile(payload, n_tokens, stored_fp, version)
 
 
 def _check_prefix(data: bytes) -> tuple[int, int]:

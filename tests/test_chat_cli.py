@@ -80,7 +80,7 @@ def test_sigint_saves_the_partial_answer_and_exits_5(tiny_dir: Path, home: Path,
     out = tmp_path / "r.json"
     env = {**os.environ, "K3CHAT_HOME": str(home)}
     proc = subprocess.Popen([sys.executable, "-m", "k3chat.cli", "run", str(tiny_dir), "--prompt",
-                             "Hello there, how are you?", "--no-think", "--max-tokens", "100000",
+                             "Hello there, how are you?", "--no-think", "--max-tokens", "99000", "--context", "100000",
                              "--threads", "2", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -96,24 +96,75 @@ def test_sigint_saves_the_partial_answer_and_exits_5(tiny_dir: Path, home: Path,
     assert proc.returncode == 5
     res = json.loads(out.read_text())
     assert res["interrupted"] is True and res["stop"] == "cancelled"
-    assert 1 < res["generated_tokens"] < 100000
+    assert 1 < res["generated_tokens"] < 99000
     assert res["answer"] and res["answer"] in stdout
     last = records(home, res["session"])[-1]
     assert (last["role"], last["content"], last["interrupted"]) == ("assistant", res["answer"], True)
     assert "reasoning_content" not in last
 
 
-def test_second_sigint_exits_at_once(tiny_dir: Path, home: Path) -> None:
+# Runs the CLI with every decode step slowed down (before the engine is called), so that a
+# signal reliably lands while a step is in flight.
+SLOW_DRIVER = """
+import sys, time
+from k3engine.model import Session
+real = Session.feed
+def feed(self, ids, **kw):
+    if len(ids) == 1:
+        time.sleep(float(sys.argv[1]))
+    return real(self, ids, **kw)
+Session.feed = feed
+from k3chat.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _slow_run(home: Path, tmp_path: Path, seconds: float, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+    driver = tmp_path / "slow_driver.py"
+    driver.write_text(SLOW_DRIVER)
     env = {**os.environ, "K3CHAT_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "k3chat.cli", "run", str(tiny_dir), "--prompt", "Hi",
-                             "--max-tokens", "100000", "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stderr:  # type: ignore[union-attr]
-        if "generating" in line:
-            break
+    proc = subprocess.Popen([sys.executable, str(driver), str(seconds), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 60
+    while "generating" not in lines.get(timeout=max(0.1, deadline - time.monotonic())):
+        pass
+    return proc, lines
+
+
+def test_second_sigint_aborts_the_step_and_still_saves(tiny_dir: Path, home: Path, tmp_path: Path) -> None:
+    """First Ctrl-C: stop after the step in flight. Second: abort that step (the engine's
+    cancel flag) and still save the partial answer, marked interrupted, then exit 5 promptly."""
+    out = tmp_path / "r.json"
+    proc, _ = _slow_run(home, tmp_path, 0.4, "run", str(tiny_dir), "--prompt", "Hello there, how are you?",
+                        "--no-think", "--max-tokens", "500", "--threads", "1", "--json", str(out))
+    time.sleep(1.5)  # a few tokens are out; the next decode step is in flight
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # the step in flight is still running (0.4 s)
+    t = time.monotonic()
     proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 5
+    assert time.monotonic() - t < 10
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["stop"] == "cancelled" and res["saved"] is True
+    assert res["state_saved"] is False  # tainted by the aborted step; the next run prefills
+    assert 2 <= res["generated_tokens"] < 500 and res["answer"]
+    assert res["answer"] in stdout
+    last = records(home, res["session"])[-1]
+    assert (last["role"], last["content"], last["interrupted"]) == ("assistant", res["answer"], True)
+
+
+def test_third_sigint_exits_at_once(tiny_dir: Path, home: Path, tmp_path: Path) -> None:
+    proc, _ = _slow_run(home, tmp_path, 60, "run", str(tiny_dir), "--prompt", "Hi", "--max-tokens", "50",
+                        "--threads", "1")
+    t = time.monotonic()
+    for _ in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
     assert proc.wait(timeout=30) == 5
+    assert time.monotonic() - t < 20  # the step in flight (60 s) was not waited for
 
 
 def test_settings_and_model_default(tiny_dir: Path, home: Path, tmp_path: Path,
@@ -177,6 +228,8 @@ def test_sampling_seed_is_stored_and_reused(tiny_dir: Path, home: Path, tmp_path
     (["--ids", "1,2", "--temperature", "0.5"], "--temperature need --prompt"),
     (["--resume"], "--resume needs --session"),
     (["--resume", "--session", "nope"], "no session 'nope' to resume"),
+    (["--prompt", "hi", "--json", "/"], "--json / is a directory"),
+    (["--prompt", "hi", "--lookahead", "-2"], "--lookahead must be >= 0"),
 ])
 def test_usage_errors_exit_2(tiny_dir: Path, home: Path, capsys: pytest.CaptureFixture[str],
                              args: list[str], needle: str) -> None:
@@ -262,3 +315,116 @@ def test_sessions_names_must_be_unambiguous(home: Path, capsys: pytest.CaptureFi
     store.create("same")
     assert main(["sessions", "show", "same"]) == 2
     assert "several sessions are named 'same'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- context, errors, traces
+
+
+def test_conversation_uses_exactly_the_planned_context(tiny_dir: Path, home: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import k3chat.conversation as conversation
+    import k3engine.budgeted as budgeted
+    from k3engine.planner import DEFAULT_CONTEXT
+
+    planned: list[int] = []
+    used: list[int] = []
+    real_open = budgeted.open_budgeted
+
+    def open_budgeted(*a: Any, **kw: Any) -> Any:
+        planned.append(kw["context"])
+        return real_open(*a, **kw)
+
+    class Spy(conversation.Conversation):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            used.append(self.context)
+
+    monkeypatch.setattr(budgeted, "open_budgeted", open_budgeted)
+    monkeypatch.setattr(conversation, "Conversation", Spy)
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--max-tokens", "2", "--context", "3000"]) == 0
+    assert planned == used == [DEFAULT_CONTEXT, 3000]
+
+
+def test_context_above_the_model_limit_is_a_usage_error(tiny_dir: Path, home: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--context", "2000000"]) == 2
+    assert "max_position_embeddings (1,048,576)" in capsys.readouterr().err
+    assert HistoryStore().list() == []
+
+
+def test_negative_lookahead_is_a_usage_error_not_a_traceback(tiny_dir: Path, home: Path) -> None:
+    r = k3chat(home, "run", str(tiny_dir), "--prompt", "hi", "--lookahead", "-1")
+    assert r.returncode == 2 and "--lookahead must be >= 0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("error,code,needle", [
+    ("history", 1, "cannot load session"),
+    ("tokenizer", 2, "tokenizer: "),
+    ("value", 2, "bad value"),
+])
+def test_conversation_setup_failures_are_messages_and_leave_no_session(
+        tiny_dir: Path, home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        error: str, code: int, needle: str) -> None:
+    import k3chat.conversation as conversation
+    from k3chat.history import HistoryError
+    from k3chat.tokenizer import TokenizerError
+
+    exc = {"history": HistoryError("damaged"), "tokenizer": TokenizerError("vocab mismatch"),
+           "value": ValueError("bad value")}[error]
+
+    def boom(self: Any, *a: Any, **kw: Any) -> None:
+        raise exc
+
+    monkeypatch.setattr(conversation.Conversation, "__init__", boom)
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--session", "new one"]) == code
+    assert needle in capsys.readouterr().err
+    assert HistoryStore().list() == []  # the session this run created had nothing in it: removed
+
+
+def test_undecodable_prompt_bytes_are_refused_before_a_session_exists(tiny_dir: Path, home: Path) -> None:
+    env = {**os.environ, "K3CHAT_HOME": str(home)}
+    r = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", str(tiny_dir), "--prompt", b"caf\xe9 au lait"],
+                       capture_output=True, env=env, timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2 and "--prompt is not valid text" in err and "Traceback" not in err
+    assert not (home / "data" / "sessions").exists() or HistoryStore().list() == []
+
+
+def test_invalid_new_session_name_is_a_usage_error(tiny_dir: Path, home: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--session", "bad\u202ename"]) == 2
+    assert "control characters" in capsys.readouterr().err
+    assert HistoryStore().list() == []
+
+
+def test_ids_json_is_private_and_never_follows_a_planted_symlink(tiny_dir: Path, home: Path,
+                                                                  tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "ids.json"
+    (tmp_path / "ids.json.tmp").symlink_to(victim)
+    assert main(["run", str(tiny_dir), "--ids", "3,7,11", "--gen", "2", "--json", str(out)]) == 0
+    assert victim.read_text() == "precious"
+    assert json.loads(out.read_text())["generated_ids"]
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+
+
+def test_peer_export_with_damaged_lines_warns_and_fails(home: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    store = HistoryStore()
+    sid = store.create("p").id
+    store.append(sid, {"role": "user", "content": "q"})
+    store.append(sid, {"role": "assistant", "content": "", "reasoning_content": "", "interrupted": True})
+    assert main(["sessions", "export", sid, "--format", "jsonl"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(x) for x in out.splitlines()] == [{"role": "user", "content": "q"}]
+    assert "left out" in err
+    with open(store.root / f"{sid}.jsonl", "ab") as f:
+        f.write(b"{lost line\n")
+    dest = tmp_path / "peer.jsonl"
+    assert main(["sessions", "export", sid, "--format", "jsonl", "-o", str(dest)]) == 1
+    err = capsys.readouterr().err
+    assert "damaged line not exported" in err and "incomplete" in err
+    assert dest.read_text() == out  # still written, with what could be read

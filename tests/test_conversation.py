@@ -248,7 +248,7 @@ def test_regenerate_first_answer_keeps_the_effort_prefix(model: Model, tok: Toke
 
 def test_overflow_is_refused_before_the_history_changes(model: Model, tok: Tokenizer, store: HistoryStore,
                                                         fed: FeedSpy) -> None:
-    conv = make(model, tok, store, thinking=False, max_tokens=8, context=64,
+    conv = make(model, tok, store, thinking=False, max_tokens=8, context=100,
                 sampler_factory=Script(answer(tok, None, " ok")))
     assert conv.send("hi") is not None
     path = store.root / f"{conv.session_id}.jsonl"
@@ -256,7 +256,7 @@ def test_overflow_is_refused_before_the_history_changes(model: Model, tok: Token
     m = fed.mark()
     with pytest.raises(ContextOverflow) as info:
         conv.send("word " * 80)
-    assert info.value.context == 64 and "history was not changed" in str(info.value)
+    assert info.value.context == 100 and "history was not changed" in str(info.value)
     assert path.read_bytes() == before and fed.since(m) == []
     assert len(conv.records) == 2
     # A setting change that overflows is refused the same way.
@@ -363,6 +363,83 @@ def test_pending_user_message_is_answered_by_respond(model: Model, tok: Tokenize
         conv.send("another")
     r = conv.respond()
     assert r.answer == " Yes." and plain(conv.records)[-1] == {"role": "assistant", "content": " Yes."}
+
+
+def test_abort_stops_the_step_in_flight_and_still_saves(model: Model, tok: Tokenizer, store: HistoryStore,
+                                                         fed: FeedSpy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C: the engine step in flight is aborted (Cancelled, tainted state), the
+    text generated so far is parsed leniently and saved, no state file is written."""
+    words = [" one", " two", " three", " four", " five"]
+    ids = [i for w in words for i in tok.encode_text(w)]
+    cut = len(tok.encode_text(" one")) + len(tok.encode_text(" two"))
+    holder: dict[str, Conversation] = {}
+    spied = Session.feed
+    steps = [0]
+
+    def feed(self: Session, step_ids: Any, **kw: Any) -> Any:
+        if len(step_ids) == 1:
+            steps[0] += 1
+            if steps[0] == cut:  # both signals arrive while this step is in flight
+                holder["c"].cancel()
+                holder["c"].abort()
+        return spied(self, step_ids, **kw)
+
+    monkeypatch.setattr(Session, "feed", feed)
+    conv = holder["c"] = make(model, tok, store, thinking=False, sampler_factory=Script(ids))
+    m = fed.mark()
+    r = conv.send("Count")
+    p = prompt_of(conv, conv.records[:1])
+    assert r is not None and (r.stop, r.interrupted, r.saved, r.state_saved) == ("cancelled", True, True, False)
+    assert r.generated_ids == ids[:cut] and r.answer == " one two"
+    # The aborted step was handed to the engine and refused: the state is tainted.
+    assert fed.since(m) == p + ids[:cut] and conv._session.tainted
+    rec = store.load(conv.session_id).records[-1]
+    assert (rec["content"], rec["interrupted"]) == (" one two", True)
+    assert not state_path(conv.session_id).exists()
+    # A cancel() alone during decoding lets the step finish: the engine flag stays clear.
+    conv2 = holder["c"] = make(model, tok, store, thinking=False, sampler_factory=Script(ids))
+    conv2.abort = lambda: None  # type: ignore[method-assign]
+    steps[0] = 0
+    r2 = conv2.send("Count again")
+    assert r2 is not None and r2.stop == "cancelled" and not conv2._session.tainted and r2.state_saved
+
+
+def _non_canonical(tok: Tokenizer, n: int) -> list[int]:
+    """n sampled ids that decode to text whose canonical encoding is different (and shorter),
+    so the state must be re-fed from a snapshot before it matches the stored history."""
+    ids: list[int] = []
+    while len(ids) < n:
+        for ch in " hello world":
+            ids += tok.encode_text(ch)
+    ids = ids[:n]
+    assert tok.encode_text(tok.decode(ids)) != ids
+    return ids
+
+
+def test_a_turn_cut_at_the_limit_in_a_full_context_still_saves_its_state(model: Model, tok: Tokenizer,
+                                                                         store: HistoryStore, fed: FeedSpy) -> None:
+    """The tightest turn the conversation accepts (largest G for N_ctx) still leaves room to
+    close the cut answer, and the sync restarts from the prompt (a snapshot after the
+    prefill), not from position 0."""
+    context = 160
+    conv = make(model, tok, store, thinking=False, context=context, max_tokens=1)
+    p = len(conv.prompt_ids("Tell me"))
+    limit = context - p - 1
+    while True:  # the largest generation limit this context accepts for this prompt
+        conv.max_tokens = limit
+        try:
+            conv.prompt_ids("Tell me")
+            break
+        except ContextOverflow:
+            limit -= 1
+    ids = _non_canonical(tok, limit)
+    conv._sampler_factory = Script(ids)
+    r = conv.send("Tell me")
+    assert r is not None and r.stop == "limit" and r.generated_tokens == limit
+    rendered = encode(render(conv.records, thinking=False, effort=None, add_generation_prompt=False), tok)
+    assert r.sync_tokens == len(rendered) - p  # from the prompt's snapshot, not from 0
+    assert r.state_saved
+    assert conv._session.ids == rendered
 
 
 # --------------------------------------------------------------------------- state files
@@ -508,22 +585,66 @@ def test_state_file_is_not_written_when_disabled(model: Model, tok: Tokenizer, s
     assert not state_path(conv.session_id).exists()
 
 
-def test_session_grows_and_keeps_its_snapshots(model: Model, tok: Tokenizer, store: HistoryStore,
-                                               fed: FeedSpy, monkeypatch: pytest.MonkeyPatch) -> None:
-    import k3chat.conversation as c
-    monkeypatch.setattr(c, "INITIAL_CAPACITY", 1)
-    script = Script(answer(tok, " a", " one"), answer(tok, " b", " two " * 30), answer(tok, " c", " three"))
-    conv = make(model, tok, store, sampler_factory=script, max_tokens=8)
-    conv.max_tokens = 120
+def test_session_is_the_planned_context_and_never_grows(model: Model, tok: Tokenizer, store: HistoryStore,
+                                                       fed: FeedSpy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N_ctx is the context the memory plan was made for: allocated once, never grown (growing
+    held two sessions and an exported copy at once), and without ``context=`` it is the
+    planner's default, not the model's max_position_embeddings (1,048,576 for the fixture)."""
+    from k3engine.planner import DEFAULT_CONTEXT
+
+    sizes: list[int] = []
+    real = Model.session
+
+    def session(self: Model, n: int) -> Session:
+        sizes.append(n)
+        return real(self, n)
+
+    monkeypatch.setattr(Model, "session", session)
+    conv = make(model, tok, store, sampler_factory=Script(answer(tok, " a", " one"), answer(tok, " b", " two"),
+                                                          answer(tok, " c", " three")))
+    assert conv.context == DEFAULT_CONTEXT
     conv.send("first")
-    cap1 = conv._session.capacity
-    conv.max_tokens = 400  # the next turn needs a larger session: the state moves over
-    r2 = conv.send("second")
-    assert conv._session.capacity > cap1 and r2 is not None and r2.reuse_source == "live"
-    m = fed.mark()
+    conv.max_tokens = 2000
+    conv.send("second")
     r3 = conv.regenerate()
     assert r3.reuse_source == "snapshot" and r3.answer == " three"
-    assert len(fed.since(m)) < r3.prompt_tokens
+    assert sizes == [DEFAULT_CONTEXT] and conv._session.capacity == DEFAULT_CONTEXT
+    small = make(model, tok, store, context=300)
+    assert small.context == 300
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make(model, tok, store, context=2_000_000)
+
+
+def test_at_most_one_snapshot_is_ever_held(model: Model, tok: Tokenizer, store: HistoryStore,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner budgets one turn snapshot: never two alive, not even for a moment."""
+    from k3engine.planner import DEFAULT_SNAPSHOTS
+
+    live: set[tuple[int, int]] = set()
+    peak = [0]
+    real_snap, real_drop = Session.snapshot, Session.drop_snapshot
+
+    def snapshot(self: Session) -> int:
+        sid = real_snap(self)
+        live.add((id(self), sid))
+        peak[0] = max(peak[0], len(live))
+        return sid
+
+    def drop(self: Session, sid: int) -> None:
+        live.discard((id(self), sid))
+        real_drop(self, sid)
+
+    monkeypatch.setattr(Session, "snapshot", snapshot)
+    monkeypatch.setattr(Session, "drop_snapshot", drop)
+    script = Script(*(answer(tok, f" r{i}", f" a{i}") for i in range(5)))
+    conv = make(model, tok, store, sampler_factory=script)
+    assert conv.max_snapshots == DEFAULT_SNAPSHOTS == 1
+    conv.send("one")
+    conv.send("two")
+    conv.send("three")
+    conv.regenerate()
+    conv.edit_last("three, edited")
+    assert peak[0] == 1 and len(conv._snaps) == 1
 
 
 # --------------------------------------------------------------------------- no UI in the core

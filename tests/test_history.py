@@ -370,7 +370,7 @@ def test_export_markdown(store: HistoryStore) -> None:
     for heading in ("## System", "## User", "## Assistant"):
         assert heading in md
     assert "What is **X**?" in md and "X is Y." in md
-    assert "> Line one\n> Line two" in md
+    assert "Reasoning:\n\n```text\nLine one\nLine two\n```" in md
     assert "[interrupted]" in md
     assert md.index("## User") < md.index("## Assistant")
 
@@ -398,3 +398,200 @@ def test_export_for_the_peer_drops_metadata(store: HistoryStore) -> None:
 def test_record_problem_is_public_and_matches_append() -> None:
     assert history.record_problem({"role": "user", "content": ""}) is None
     assert history.record_problem({"role": "assistant", "content": "", "interrupted": "yes"})
+
+
+# ---------------------------------------------------------------- names with controls
+
+
+@pytest.mark.parametrize("name", ["csi \x9b31m", "nel \x85", "rlo \u202eevil", "isolate \u2066x\u2069",
+                                  "esc \x1b[2J", "del \x7f", "lone \udcff"])
+def test_names_with_c1_or_bidi_controls_are_refused(store: HistoryStore, name: str) -> None:
+    with pytest.raises(HistoryError, match="control characters"):
+        store.create(name)
+    sid = store.create("fine").id
+    with pytest.raises(HistoryError, match="control characters"):
+        store.rename(sid, name)
+    assert store.info(sid).name == "fine"
+
+
+def test_bad_names_read_back_are_reported_and_shown_escaped(store: HistoryStore) -> None:
+    sid = store.create("fine").id
+    path = session_file(store, sid)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["name"] = "Hdr\x9b2J\u202e"
+    path.write_text(json.dumps(header) + "\n")
+    loaded = store.load(sid)  # no crash
+    assert loaded.info.name == "Hdr\\x9b2J\\u202e"
+    assert len(loaded.problems) == 1 and "line 1" in loaded.problems[0] and "name refused" in loaded.problems[0]
+    with open(path, "a") as f:
+        f.write(json.dumps({"k3chat": "rename", "name": "Ren\x1b]0;t\x07\nx"}) + "\n")
+    loaded = store.load(sid)
+    assert loaded.info.name == "Ren\\x1b]0;t\\x07\\nx"
+    assert "line 2" in loaded.problems[-1]
+    assert HistoryStore(store.root).list()[0].name == "Ren\\x1b]0;t\\x07\\nx"  # the index too
+
+
+# ---------------------------------------------------------------- truncate anchoring
+
+
+def _contents(store: HistoryStore, sid: str) -> list[str]:
+    return [r["content"] for r in store.load(sid).records]
+
+
+def test_records_are_numbered_and_truncate_names_the_last_kept(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("two"))
+    assert [r["seq"] for r in store.load(sid).records] == [1, 2, 3, 4]
+    store.truncate(sid, 3)  # regenerate the last answer
+    stored = store.append(sid, assistant("two again"))
+    assert stored["seq"] == 5  # numbers are never reused
+    line = json.loads(session_file(store, sid).read_text().splitlines()[-2])
+    assert (line["k3chat"], line["seq"], line["records"]) == ("truncate", 3, 3)
+    store.truncate(sid, 2)  # edit the last message
+    store.append(sid, user("second, edited"))
+    assert _contents(store, sid) == ["first", "one", "second, edited"]
+    assert [r["seq"] for r in store.load(sid).records] == [1, 2, 6]
+    store.truncate(sid, 0)
+    assert _contents(store, sid) == [] and not store.load(sid).problems
+
+
+def test_a_damaged_line_before_a_truncate_cannot_bring_back_a_superseded_answer(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("superseded"))
+    store.truncate(sid, 3)
+    store.append(sid, assistant("the kept answer"))
+    path = session_file(store, sid)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = b"{damaged\n"  # the first record; the truncate after it kept 3 records
+    path.write_bytes(b"".join(lines))
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["one", "second", "the kept answer"]
+    assert "superseded" not in [r["content"] for r in loaded.records]
+    loud = [p for p in loaded.problems if "truncate could not be applied exactly" in p]
+    assert len(loud) == 1 and "line 6" in loud[0]
+
+
+def test_a_lost_last_kept_record_is_reported(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("superseded"))
+    store.truncate(sid, 3)
+    path = session_file(store, sid)
+    lines = path.read_bytes().splitlines(keepends=True)
+    del lines[3]  # "second", the last record the truncate keeps
+    path.write_bytes(b"".join(lines))
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one"]
+    assert any("number 3) is missing" in p for p in loaded.problems)
+
+
+def test_old_files_without_sequence_numbers_still_load_and_continue(store: HistoryStore) -> None:
+    sid = store.create("old").id
+    path = session_file(store, sid)
+    old = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
+           {"k3chat": "truncate", "records": 1, "time": 1.0}, {"role": "assistant", "content": "a2"}]
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in old))
+    loaded = store.load(sid)
+    assert _contents(store, sid) == ["q", "a2"] and not loaded.problems
+    store.append(sid, user("q2"))  # numbered after the old lines (3 record lines so far)
+    assert store.load(sid).records[-1]["seq"] == 4
+    store.truncate(sid, 2)  # keeps old "a2" (implicitly number 3)
+    assert _contents(store, sid) == ["q", "a2"] and not store.load(sid).problems
+    # An old count-based truncate after a damaged line is reported, not trusted silently.
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = b"garbage\n"
+    path.write_bytes(b"".join(lines))
+    assert any("old format" in p for p in store.load(sid).problems)
+
+
+# ---------------------------------------------------------------- stale temp files
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temp_files_are_swept_when_the_store_opens_and_on_delete(home: Path) -> None:
+    store = HistoryStore()
+    sid = store.create("x").id
+    other = store.create("y").id
+    store.append(sid, user("secret"))
+    dead, alive = _dead_pid(), os.getpid()
+    stale = store.root / f".{sid}.jsonl.{dead}.0123456789ab.tmp"
+    index_stale = store.root / f".sessions.json.{dead}.0123456789ab.tmp"
+    in_use = store.root / f".{other}.jsonl.{alive}.0123456789ab.tmp"
+    mine_in_use = store.root / f".{sid}.jsonl.{alive}.ba9876543210.tmp"
+    unrelated = store.root / "notes.tmp"
+    for p in (stale, index_stale, in_use, mine_in_use, unrelated):
+        p.write_text("a copy of the conversation")
+    HistoryStore()  # opening sweeps what dead writers left
+    assert not stale.exists() and not index_stale.exists()
+    assert in_use.exists() and mine_in_use.exists() and unrelated.exists()
+    store.delete(sid)  # a deleted session leaves no copy, whoever wrote it
+    assert not mine_in_use.exists() and in_use.exists()
+
+
+def test_cli_rm_removes_the_state_file_and_its_temp_copies(home: Path) -> None:
+    from k3chat.cli import main
+    from k3chat.conversation import state_path
+
+    store = HistoryStore()
+    sid = store.create("x").id
+    keep = store.create("y").id
+    sp = state_path(sid)
+    sp.parent.mkdir(parents=True, exist_ok=True)
+    sp.write_bytes(b"state")
+    temps = [sp.parent / f".{sid}.k3state.{pid}.0123456789ab.tmp" for pid in (_dead_pid(), os.getpid())]
+    other_stale = sp.parent / f".{keep}.k3state.{_dead_pid()}.0123456789ab.tmp"
+    for p in (*temps, other_stale):
+        p.write_bytes(b"state copy")
+    assert main(["sessions", "rm", sid, "--yes"]) == 0
+    assert not sp.exists() and not any(p.exists() for p in temps)
+    assert not other_stale.exists()  # stale (dead writer): swept when the store opened
+
+
+# ---------------------------------------------------------------- exports that stay inert
+
+
+def test_markdown_export_never_renders_model_text_live(store: HistoryStore) -> None:
+    from markdown_it import MarkdownIt
+
+    evil = ("![pixel](https://tracker.example/p.png) [click](https://x.example) <img src=https://x.example/a>"
+            "\n<script>fetch('https://x.example')</script>\n<https://auto.example>\n"
+            "````\n```\n![closed the fence?](https://x.example/b.png)\n```` `` ` done")
+    sid = store.create("![name](https://x.example/n.png) <b>bold</b>").id
+    store.append(sid, user(evil))
+    store.append(sid, assistant(evil, "reasoning " + evil))
+    md = store.export_markdown(sid)
+    html = MarkdownIt("commonmark", {"html": True}).render(md)
+    for live in ("<img", "<a ", "<script", "<b>", 'src="', 'href="'):
+        assert live not in html, live
+    # The text itself is all there, as text.
+    assert md.count("![pixel](https://tracker.example/p.png)") == 3
+
+
+def test_peer_export_drops_unrendered_records_and_reports_damage(store: HistoryStore) -> None:
+    sid = store.create("p").id
+    store.append(sid, user("hello"))
+    store.append(sid, assistant("", "", interrupted=True))  # Ctrl-C during the prefill
+    store.append(sid, user("hello again"))
+    store.append(sid, assistant("fine", "r"))
+    store.append(sid, user("and?"))
+    store.append(sid, assistant("", "", interrupted=True))
+    text, warnings = store.export_peer_jsonl_checked(sid)
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert [x["content"] for x in lines] == ["hello", "hello again", "fine", "and?"]
+    assert sum("an empty interrupted answer, left out" in w for w in warnings) == 2
+    assert any("two user messages in a row" in w for w in warnings)
+    assert store.export_peer_jsonl(sid) == text
+    path = session_file(store, sid)
+    with open(path, "ab") as f:
+        f.write(b"{broken\n")
+    _, warnings = store.export_peer_jsonl_checked(sid)
+    assert any(w.startswith("damaged line not exported: line") for w in warnings)

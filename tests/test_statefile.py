@@ -128,3 +128,20 @@ def test_bad_arguments(tmp_path: Path) -> None:
         save_state(tmp_path / "s", b"", fingerprint="", n_tokens=0)
     with pytest.raises(ValueError):
         save_state(tmp_path / "s", b"", fingerprint=FP, n_tokens=-1)
+
+
+def test_a_cancelled_save_leaves_the_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(statefile, "_WRITE_CHUNK", 1000)
+    path = tmp_path / "s"
+    save_state(path, b"old", fingerprint=FP, n_tokens=1)
+    calls = [0]
+
+    def cancel() -> bool:
+        calls[0] += 1
+        return calls[0] > 3  # after three pieces of the payload
+    with pytest.raises(statefile.SaveCancelled):
+        save_state(path, PAYLOAD, fingerprint=FP, n_tokens=2, cancel=cancel)
+    assert load_state(path, fingerprint=FP).payload == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]
+    save_state(path, PAYLOAD, fingerprint=FP, n_tokens=2, cancel=lambda: False)  # pieces add up
+    assert load_state(path, fingerprint=FP).payload == PAYLOAD

@@ -1,0 +1,929 @@
+"""The k3chat Textual app: it owns the engine, the conversation and the turn worker.
+
+Threads: the model is opened on a daemon thread (nothing to save if the user quits while it
+opens), and each turn runs in a Textual thread worker. Both hand their results and the turn's
+events to the UI thread the way ``App.call_from_thread`` does (``_ui``); streamed text and
+statistics are queued and drawn in batches so the model never waits for the screen. The UI
+thread never blocks on a worker (it only ``await``s one). The Conversation is used by one
+thread at a time: the worker while a turn runs, the UI thread only between turns.
+
+Quitting (ctrl+q, a second ctrl+c, SIGTERM) saves: it stops the turn, waits for the worker to
+store the partial answer, then exits. Asking again while that wait is on also stops the step
+in flight (Conversation.abort); a third time quits at once (the message stays in the history,
+unanswered, and ctrl+r answers it next time). SIGHUP (the terminal is gone) saves the same
+way without drawing anything, and exits 5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Input, TextArea
+
+from k3chat.events import AnswerToken, ReasoningToken, Stats
+from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
+from k3chat.history import HistoryError, HistoryStore, SessionInfo
+from k3chat.settings import Settings
+
+from .engine import Engine, EngineFactory, EngineOpenError, ensure_demo_model, open_engine, plan_summary
+from .screens.chat import ChatScreen
+from .screens.dialogs import AskScreen
+from .screens.help import HelpScreen
+from .screens.sessions import SessionsChanged, SessionsScreen, export_format
+from .screens.viewer import ReasoningViewer
+from .text import one_line
+from .theming import THEMES, resolve_theme, stylesheet
+from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 5
+QUIT_WINDOW = 5.0  # seconds in which a second ctrl+c quits
+STREAM_INTERVAL = 0.03  # seconds: streamed text is drawn at most this often (per batch)
+HANGUP_WAIT = 300.0  # after SIGHUP, how long the step in flight may take before we exit anyway
+EFFORTS = ("low", "high", "max")
+
+
+STREAMED = (ReasoningToken, AnswerToken, Stats)
+
+
+def _merged(events: list[Any]) -> list[tuple[Any, int]]:
+    """(event, how many it stands for): consecutive text events of one kind joined, and only
+    the last of consecutive Stats kept."""
+    out: list[tuple[Any, int]] = []
+    for event in events:
+        last, n = out[-1] if out else (None, 0)
+        if isinstance(event, (ReasoningToken, AnswerToken)) and type(last) is type(event):
+            out[-1] = (type(event)(last.text + event.text), n + 1)
+        elif isinstance(event, Stats) and isinstance(last, Stats):
+            out[-1] = (event, 1)
+        else:
+            out.append((event, 1))
+    return out
+
+
+class AppUsageError(Exception):
+    """build_app was given something it cannot start with (exit 2)."""
+
+
+def session_name(text: str) -> str:
+    """A new session's name: the first message on one line, printable, at most 60 characters."""
+    line = " ".join(text.split())
+    name = "".join(ch for ch in line if ch.isprintable())[:60].strip()
+    return name or "untitled"
+
+
+def find_session(store: HistoryStore, ref: str) -> SessionInfo | None:
+    """A session by id, else by exact name (AppUsageError when several share the name)."""
+    infos = store.list()
+    for info in infos:
+        if info.id == ref:
+            return info
+    named = [info for info in infos if info.name == ref]
+    if len(named) > 1:
+        raise AppUsageError(f"several sessions are named {ref!r} ({', '.join(i.id for i in named)}); use an id")
+    return named[0] if named else None
+
+
+class K3ChatApp(App[int]):
+    """Private, local chat with Kimi K3."""
+
+    CSS = stylesheet()
+    TITLE = "k3chat"
+    BINDINGS = [
+        Binding("ctrl+c", "interrupt", "Stop / copy", show=False, priority=True, id="interrupt"),
+        Binding("ctrl+q", "quit", "Quit", priority=True, id="quit"),
+        Binding("f1", "help", "Help", priority=True, id="help"),
+    ]
+
+    def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
+                 engine_factory: EngineFactory, session: SessionInfo | None = None,
+                 new_session_name: str | None = None, store: HistoryStore | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.model_dir = model_dir
+        self.demo = demo
+        self.engine_factory = engine_factory
+        self.store = store or HistoryStore()
+        self.session: SessionInfo | None = session
+        self.pending_name = new_session_name
+        self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
+        self.markdown = True
+        self.thinking = settings.thinking
+        self.effort = settings.effort
+        self.engine: Engine | None = None
+        self.conv: Conversation | None = None
+        self.ready = False
+        self.loading_session = False
+        self.busy = False
+        self.turns_over = 0  # turns that ended, whatever the outcome (tests wait on it)
+        self.load_error: str | None = None
+        self.ui_errors: list[str] = []  # exceptions raised by UI callbacks of a worker (tests check it)
+        self._turn_worker: Any = None
+        self._quitting = False
+        self._closed = False
+        self._cancel_requested = False
+        self._aborted = False
+        self._armed_at: float | None = None
+        self._return_code = EXIT_OK
+        self._signals: list[int] = []
+        self._old_hup: Any = None
+        self._stream_lock = threading.Lock()
+        self._streamed: list[Any] = []  # text and statistics waiting to be drawn
+        self._stream_scheduled = False
+        self._flush_lock = asyncio.Lock()
+        self._job_done = threading.Event()  # no turn job runs (set), one runs (clear)
+        self._job_done.set()
+        self._chat: ChatScreen
+
+    # ------------------------------------------------------------------ setup
+
+    def get_default_screen(self) -> Screen:
+        self._chat = ChatScreen()
+        return self._chat
+
+    @property
+    def chat(self) -> ChatScreen:
+        return self._chat
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def grammar(self) -> Any:
+        return self.conv.grammar if self.conv is not None else None
+
+    def on_mount(self) -> None:
+        for theme in THEMES:
+            self.register_theme(theme)
+        name, warning = resolve_theme(self.settings.theme, self.available_themes)
+        self.theme = name
+        if warning:
+            self.say(warning, warning=True)
+        self._install_signals()
+        if self.settings.keys:  # [keys] in config.toml: binding id = key(s), e.g. quit = "ctrl+x"
+            self.set_keymap(dict(self.settings.keys))
+
+    def chat_ready(self) -> None:
+        """The chat screen is composed: show what happens and start opening the model."""
+        chat = self.chat
+        chat.set_title(self.session.name if self.session else self.pending_name, None)
+        chat.status.set_model("opening the model", "")
+        chat.show_progress("Opening the demo model" if self.demo else f"Opening {self.model_dir}")
+        threading.Thread(target=self._load, name="k3chat-open", daemon=True).start()
+
+    # ------------------------------------------------------------------ thread plumbing
+
+    def _ui(self, fn: Callable[..., Any], *args: Any, wait: bool = True) -> Any:
+        """Run ``fn(*args)`` on the UI thread and wait for it (from a worker thread).
+
+        This is ``App.call_from_thread`` (the same coroutine, in the app's context, on the app's
+        loop) with two differences: the wait gives up once the app is closed (after a terminal
+        hangup the UI may never run again, and a turn must still be able to store its answer),
+        and ``wait=False`` only schedules the call (for streamed text: the model must not run
+        at the speed at which the UI can draw).
+        """
+        if self._closed:
+            return None
+        loop, context = getattr(self, "_loop", None), getattr(self, "_context", None)
+        if loop is None or context is None:  # not the Textual this was written for: the plain call
+            try:
+                return self.call_from_thread(fn, *args)
+            except Exception as exc:
+                self._ui_failed(exc)
+                return None
+
+        async def run() -> Any:
+            with context():
+                result = fn(*args)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+
+        try:
+            future = asyncio.run_coroutine_threadsafe(run(), loop)
+        except RuntimeError:  # the loop is closed: the app has gone
+            return None
+        if not wait:
+            future.add_done_callback(self._scheduled_done)
+            return None
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except FutureTimeout:
+                if self._closed:
+                    future.cancel()
+                    return None
+            except CancelledError:
+                return None
+            except Exception as exc:  # a UI bug must not stop the turn (its answer is saved regardless)
+                self._ui_failed(exc)
+                return None
+
+    def _scheduled_done(self, future: Any) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self._ui_failed(future.exception())
+
+    def _ui_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, RuntimeError) and "not running" in str(exc):
+            return
+        log.error("UI callback failed: %s", exc, exc_info=exc)
+        self.ui_errors.append(f"{type(exc).__name__}: {exc}")
+
+    def _progress(self, text: str) -> None:
+        self._ui(self._show_progress, text)
+
+    def _show_progress(self, text: str) -> None:
+        self.chat.show_progress(text)
+
+    def say(self, text: str, *, warning: bool = False, error: bool = False) -> None:
+        """A toast with plain text (never markup)."""
+        severity = "error" if error else ("warning" if warning else "information")
+        self.notify(one_line(text, 400), severity=severity, markup=False, timeout=6 if error else 4)
+
+    # ------------------------------------------------------------------ opening
+
+    def _load(self) -> None:
+        try:
+            model_dir = self.model_dir
+            if self.demo:
+                model_dir = ensure_demo_model(self._progress)
+            assert model_dir is not None
+            engine = self.engine_factory(Path(model_dir), self.settings, self._progress)
+            if self.demo:
+                engine.name = "demo: tiny, random weights"
+        except EngineOpenError as exc:
+            self._ui(self._load_failed, str(exc), EXIT_USAGE if exc.usage else EXIT_RUNTIME)
+            return
+        except Exception as exc:
+            self._ui(self._load_failed, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
+            return
+        if not self._ui(self._engine_ready, engine):
+            engine.close()  # the app went away (or is quitting) while the model opened
+            return
+        if self.session is not None:
+            self._open_session_job(self.session.id)
+
+    def _engine_ready(self, engine: Engine) -> bool:
+        if self._quitting:
+            return False
+        self.engine = engine
+        self.loading_session = self.session is not None  # no turn until it is shown
+        self.ready = True
+        chat = self.chat
+        chat.hide_progress()
+        chat.status.set_model(engine.name, plan_summary(engine))
+        chat.status.set_phase("ready")
+        chat.set_title(self.session.name if self.session else self.pending_name, engine.name)
+        if self.demo:
+            chat.show_notice("Demo model: tiny and untrained, it babbles (and never ends its turn by itself). "
+                             "Everything else is the real app.")
+        return True
+
+    async def _load_failed(self, message: str, code: int) -> None:
+        self.load_error = message
+        self._return_code = code
+        chat = self.chat
+        chat.hide_progress()
+        chat.status.set_model("no model", "")
+        chat.status.set_phase("failed")
+        chat.show_notice(f"Cannot open the model: {message}  (ctrl+q quits)", error=True)
+
+    # ------------------------------------------------------------------ sessions
+
+    def _new_conversation(self, session_id: str) -> Conversation:
+        engine = self.engine
+        assert engine is not None
+        s = self.settings
+        conv = Conversation(engine.model, engine.tokenizer, HistoryStore(self.store.root), session_id,
+                            thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
+                            context=engine.context, model_name=engine.model_dir.name,
+                            **engine.conversation_options)
+        conv.sampler = sampler_settings(sampling=s.sampling, temperature=s.temperature, top_p=s.top_p,
+                                        top_k=s.top_k, seed=s.seed, records=conv.records)
+        return conv
+
+    @staticmethod
+    def _estimate(conv: Conversation) -> int | None:
+        try:
+            return len(conv.prompt_ids())
+        except ContextOverflow as exc:
+            return exc.prompt_tokens
+        except Exception:
+            return None
+
+    def _open_session_job(self, session_id: str) -> None:
+        """Thread: load a session's conversation (history, prompt size), then show it."""
+        try:
+            conv = self._new_conversation(session_id)
+            estimate = self._estimate(conv)
+        except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
+            self._ui(self._session_failed, f"cannot open the session: {exc}")
+            return
+        self._ui(self._session_loaded, conv, estimate)
+
+    async def _session_failed(self, message: str) -> None:
+        self.loading_session = False
+        await self.start_new_session()
+        self.chat.hide_progress()
+        self.chat.show_notice(message, error=True)
+
+    async def _session_loaded(self, conv: Conversation, estimate: int | None) -> None:
+        self.loading_session = False
+        if self._quitting:
+            conv.close()
+            return
+        if self.conv is not None and self.conv is not conv:
+            self.conv.close()
+        self.conv = conv
+        try:
+            self.session = self.store.info(conv.session_id)
+        except HistoryError:
+            pass
+        chat = self.chat
+        chat.hide_progress()
+        await chat.show_history(conv.records)
+        chat.set_title(self.session.name if self.session else None, self.engine.name if self.engine else None)
+        if estimate is not None:
+            chat.status.set_context(estimate, conv.context, estimate=True)
+        notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
+        if conv.pending_user:
+            notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it, ctrl+e edits it.")
+        chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
+
+    def _close_conversation(self) -> None:
+        if self.conv is not None:
+            try:
+                self.conv.close()
+            except Exception:
+                pass
+            self.conv = None
+
+    async def start_new_session(self) -> None:
+        self._close_conversation()
+        self.session = None
+        self.pending_name = None
+        chat = self.chat
+        await chat.show_history([])
+        chat.clear_notice()
+        chat.set_title(None, self.engine.name if self.engine else None)
+        chat.status.set_context(None, None)
+        chat.prompt.focus()
+
+    def switch_session(self, session_id: str | None) -> None:
+        if session_id is None or (self.conv is not None and self.conv.session_id == session_id):
+            return
+        if self.busy:
+            self.say("K3 is answering: stop it (ctrl+c) or wait before switching sessions", warning=True)
+            return
+        if not self.ready:
+            self.say("the model is still opening", warning=True)
+            return
+        self._close_conversation()
+        self.pending_name = None
+        self.loading_session = True
+        self.chat.show_progress("Opening the session")
+        self.run_worker(partial(self._open_session_job, session_id), thread=True, group="session",
+                        exit_on_error=False, name="open-session")
+
+    # ------------------------------------------------------------------ turns
+
+    def _can_start(self) -> bool:
+        if self._quitting:
+            return False
+        if not self.ready:
+            self.say(self.load_error or "the model is still opening", warning=True)
+            return False
+        if self.busy:
+            self.say("K3 is still answering: wait, or stop it with ctrl+c", warning=True)
+            return False
+        if self.loading_session:
+            self.say("the session is still opening", warning=True)
+            return False
+        return True
+
+    async def submit(self, text: str) -> None:
+        if not self._can_start():
+            return
+        if self.conv is not None and self.conv.pending_user:
+            self.say("The last message has no answer yet: ctrl+r answers it, ctrl+e edits it", warning=True)
+            return
+        chat = self.chat
+        chat.clear_notice()
+        chat.prompt.clear()
+        await self._start_turn("send", text)
+
+    async def submit_edit(self, text: str) -> None:
+        if not self._can_start():
+            return
+        chat = self.chat
+        chat.stop_edit(restore=False)
+        chat.prompt.clear()
+        await self._start_turn("edit", text)
+
+    async def action_regenerate(self) -> None:
+        if not self._can_start():
+            return
+        conv = self.conv
+        if conv is None or not conv.records:
+            self.say("nothing to regenerate yet")
+            return
+        if conv.pending_user:
+            await self._start_turn("respond", None)
+        elif conv.records[-1].get("role") == "assistant":
+            await self._start_turn("regenerate", None)
+        else:
+            self.say("nothing to regenerate")
+
+    def action_edit_last(self) -> None:
+        if not self._can_start():
+            return
+        conv = self.conv
+        users = [r for r in (conv.records if conv is not None else []) if r.get("role") == "user"]
+        if not users:
+            self.say("no message to edit yet")
+            return
+        self.chat.start_edit(str(users[-1].get("content", "")))
+
+    async def _start_turn(self, kind: str, text: str | None) -> None:
+        self.busy = True
+        self._cancel_requested = False
+        self._aborted = False
+        self._armed_at = None
+        self._job_done.clear()
+        await self.chat.begin_turn(kind, text, thinking=self.thinking)
+        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text), thread=True, group="turn",
+                                            exit_on_error=False, name=f"turn:{kind}")
+
+    def _turn_job(self, kind: str, text: str | None) -> None:
+        """Thread: one turn. Every outcome reaches the UI; nothing is raised from here."""
+        created: SessionInfo | None = None
+        conv = self.conv
+        try:
+            if conv is None:
+                engine = self.engine
+                assert engine is not None and text is not None
+                store = HistoryStore(self.store.root)
+                created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name)
+                conv = self._new_conversation(created.id)
+                self._ui(self._adopt, conv, created)
+            emit = self._emit
+            if kind == "send":
+                assert text is not None
+                conv.send(text, on_event=emit)
+            elif kind == "edit":
+                assert text is not None
+                conv.edit_last(text, on_event=emit)
+            elif kind == "regenerate":
+                conv.regenerate(on_event=emit)
+            else:
+                conv.respond(on_event=emit)
+        except (ContextOverflow, ConversationError) as exc:
+            if created is not None:
+                self._drop_created(conv, created)
+            self._ui(self._turn_refused, kind, text, str(exc))
+        except TurnFailed as exc:
+            self._ui(self._turn_error, str(exc))
+        except HistoryError as exc:
+            self._ui(self._turn_error, f"the history could not be written: {exc}")
+        except Exception as exc:
+            log.exception("turn failed")
+            self._ui(self._turn_error, f"the turn failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._job_done.set()
+            self._ui(self._turn_over)
+
+    def _drop_created(self, conv: Conversation | None, info: SessionInfo) -> None:
+        """A session made for a first message that was refused: leave no trace."""
+        try:
+            if conv is not None:
+                conv.close()
+            HistoryStore(self.store.root).delete(info.id)
+        except (HistoryError, OSError):
+            pass
+        self._ui(self._forget, info.id)
+
+    def _adopt(self, conv: Conversation, info: SessionInfo) -> None:
+        self.conv = conv
+        self.session = info
+        self.chat.set_title(info.name, self.engine.name if self.engine else None)
+
+    def _forget(self, session_id: str) -> None:
+        if self.conv is not None and self.conv.session_id == session_id:
+            self.conv = None
+        if self.session is not None and self.session.id == session_id:
+            self.session = None
+        self.chat.set_title(None, self.engine.name if self.engine else None)
+
+    def _emit(self, event: Any) -> None:
+        """Thread: a turn event. Text and statistics are queued and drawn in batches without
+        making the turn wait; everything else is delivered in order, after the queue."""
+        if isinstance(event, STREAMED):
+            with self._stream_lock:
+                self._streamed.append(event)
+                if self._stream_scheduled:
+                    return
+                self._stream_scheduled = True
+            self._ui(self._flush_streamed_soon, wait=False)
+            return
+        self._ui(self._deliver, event)
+
+    async def _flush_streamed_soon(self) -> None:
+        await asyncio.sleep(STREAM_INTERVAL)  # gather what arrives meanwhile: fewer, larger redraws
+        await self._flush_streamed()
+
+    async def _flush_streamed(self) -> None:
+        async with self._flush_lock:  # batches are drawn whole and in order
+            with self._stream_lock:
+                batch, self._streamed = self._streamed, []
+                self._stream_scheduled = False
+            for event, pieces in _merged(batch):
+                await self.chat.turn_event(event, pieces=pieces)
+
+    async def _deliver(self, event: Any) -> None:
+        await self._flush_streamed()
+        await self.chat.turn_event(event)
+
+    async def _turn_refused(self, kind: str, text: str | None, message: str) -> None:
+        chat = self.chat
+        await chat.show_history(self.conv.records if self.conv is not None else [])
+        if text is not None and kind in ("send", "edit"):
+            if kind == "edit":
+                chat.start_edit(text)
+            elif not chat.prompt.text:
+                chat.prompt.set_text(text)
+        chat.show_notice(message, error=True)
+        if self.conv is not None:
+            estimate = self._estimate(self.conv)
+            if estimate is not None:
+                chat.status.set_context(estimate, self.conv.context, estimate=True)
+
+    def _turn_error(self, message: str) -> None:
+        self.chat.show_notice(message, error=True)
+        if self.chat.turn is not None:
+            self.chat.turn.set_status(message)
+
+    async def _turn_over(self) -> None:
+        await self.chat.turn_over()
+        self.busy = False
+        self.turns_over += 1
+        if self._cancel_requested:
+            self._armed_at = time.monotonic()  # a second ctrl+c from now on quits
+        if self.session is not None:
+            self.pending_name = None
+            try:
+                self.session = self.store.info(self.session.id)
+            except HistoryError:
+                pass
+
+    # ------------------------------------------------------------------ ctrl+c, quitting, signals
+
+    def _selected_text(self) -> str | None:
+        focused = self.focused
+        if isinstance(focused, (TextArea, Input)) and focused.selected_text:
+            return focused.selected_text
+        try:
+            text = self.screen.get_selected_text()
+        except Exception:
+            text = None
+        return text or None
+
+    async def action_interrupt(self) -> None:
+        selected = self._selected_text()
+        if selected:
+            self.copy_to_clipboard(selected)
+            self.screen.clear_selection()
+            self.say(f"Copied {len(selected):,} characters")
+            return
+        if self._quitting:
+            await self._save_and_quit(None)
+            return
+        now = time.monotonic()
+        if self.busy:
+            if not self._cancel_requested:
+                self._cancel_requested = True
+                self._armed_at = now
+                if self.conv is not None:
+                    self.conv.cancel()
+                self.chat.status.set_phase("stopping after the step in flight")
+                self.say("Stopping after the step in flight; the partial answer is kept. "
+                         "ctrl+c again saves and quits.")
+            else:  # the second ctrl+c: stop the step in flight as well, save, quit
+                self._abort_turn()
+                await self._save_and_quit(None)
+            return
+        if self._armed_at is not None and now - self._armed_at <= QUIT_WINDOW:
+            await self._save_and_quit(None)
+            return
+        self._armed_at = now
+        self.say("Nothing to stop. Press ctrl+c again (or ctrl+q) to quit.")
+
+    async def action_quit(self) -> None:
+        await self._save_and_quit(None)
+
+    def _abort_turn(self) -> bool:
+        """Stop the step in flight too (Conversation.abort: the partial answer is still saved,
+        the engine state is not). False if there is nothing (more) to abort."""
+        conv = self.conv
+        if self._aborted or conv is None or not self.busy:
+            return False
+        self._aborted = True
+        getattr(conv, "abort", conv.cancel)()
+        return True
+
+    async def _save_and_quit(self, code: int | None) -> None:
+        if self._quitting:
+            # Asked again while the turn finishes: stop the step in flight, then quit at once.
+            if self.busy and not self._abort_turn():
+                self._force_exit()
+            return
+        self._quitting = True
+        if self.busy and self._turn_worker is not None:
+            self._cancel_requested = True
+            if self.conv is not None:
+                self.conv.cancel()
+            self.chat.show_progress("Saving: the step in flight finishes, then the partial answer is stored "
+                                    "(press again to stop the step now)")
+            try:
+                await self._turn_worker.wait()
+            except Exception:
+                pass
+        self._shutdown_engine()
+        final = self._return_code if code is None else code
+        self.exit(final, return_code=final)
+
+    def _force_exit(self) -> None:
+        """Quit now, without waiting for the step in flight (its partial answer is lost; the
+        message stays in the history, unanswered)."""
+        try:
+            driver = self._driver
+            if driver is not None and not self.is_headless:
+                driver.stop_application_mode()
+        finally:
+            os._exit(EXIT_INTERRUPTED)
+
+    def _shutdown_engine(self) -> None:
+        if self.busy:
+            return  # the worker still uses it; the process is about to end anyway
+        self._close_conversation()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def _install_signals(self) -> None:
+        """SIGTERM (and SIGINT from outside: ctrl+c in the app is a key) go through the event
+        loop; SIGHUP does not, because after a hangup the terminal is gone and the UI may be
+        stuck writing to it (see _on_hangup)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        handlers = {"SIGTERM": self._on_term_signal, "SIGINT": self._on_int_signal}
+        for name, handler in handlers.items():
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            try:
+                loop.add_signal_handler(sig, handler)
+                self._signals.append(sig)
+            except (ValueError, RuntimeError, NotImplementedError):
+                pass
+        if hasattr(signal, "SIGHUP"):
+            self._old_hup = signal.signal(signal.SIGHUP, self._on_hangup)
+
+    def _remove_signals(self) -> None:
+        if self._old_hup is not None:
+            try:
+                signal.signal(signal.SIGHUP, self._old_hup)
+            except (ValueError, OSError):
+                pass
+            self._old_hup = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for sig in self._signals:
+            try:
+                loop.remove_signal_handler(sig)
+            except (ValueError, RuntimeError):
+                pass
+        self._signals = []
+
+    def _on_hangup(self, signum: int, frame: Any) -> None:
+        """The terminal hung up. Stop the turn after the step in flight, let the worker store the
+        partial answer (it no longer waits for the UI), then exit 5 without drawing anything."""
+        if self._closed and self._quitting:
+            os._exit(EXIT_INTERRUPTED)
+        self._closed = True
+        self._quitting = True
+        if not self._job_done.is_set() and self.conv is not None:
+            self.conv.cancel()
+
+        def finish() -> None:
+            self._job_done.wait(HANGUP_WAIT)
+            os._exit(EXIT_INTERRUPTED)
+
+        threading.Thread(target=finish, name="k3chat-hangup", daemon=True).start()
+
+    def _on_term_signal(self) -> None:
+        self.call_later(self._save_and_quit, EXIT_INTERRUPTED)
+
+    def _on_int_signal(self) -> None:
+        self.call_later(self.action_interrupt)
+
+    async def on_unmount(self) -> None:
+        self._remove_signals()
+        if self.busy and self._turn_worker is not None:  # closed without quitting (a test harness)
+            if self.conv is not None:
+                self.conv.cancel()
+            self._closed = True
+            try:
+                await asyncio.wait_for(self._turn_worker.wait(), 30)
+            except Exception:
+                pass
+            self.busy = False
+        self._closed = True
+        self._shutdown_engine()
+
+    # ------------------------------------------------------------------ screens
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_sessions(self) -> None:
+        if isinstance(self.screen, SessionsScreen):
+            return
+        current = self.conv.session_id if self.conv is not None else None
+        self.push_screen(SessionsScreen(self.store, current=current, busy=self.busy), self.switch_session)
+
+    async def action_new_session(self) -> None:
+        if self.busy:
+            self.say("K3 is answering: stop it (ctrl+c) or wait", warning=True)
+            return
+        await self.start_new_session()
+
+    def open_viewer(self, block: ReasoningBlock) -> None:
+        title = f"Reasoning: {block.tokens:,} tokens  (/ find, n next, N previous, c copy, escape back)"
+        self.push_screen(ReasoningViewer(block.text, title))
+
+    async def on_sessions_changed(self, event: SessionsChanged) -> None:
+        if self.session is None or event.session_id != self.session.id:
+            return
+        if event.deleted:
+            await self.start_new_session()
+            return
+        try:
+            self.session = self.store.info(event.session_id)
+        except HistoryError:
+            return
+        self.chat.set_title(self.session.name, self.engine.name if self.engine else None)
+
+    # ------------------------------------------------------------------ settings from the palette
+
+    def set_thinking(self, on: bool, effort: str | None = None) -> None:
+        if self.busy:
+            self.say("change thinking after this answer", warning=True)
+            return
+        old = (self.thinking, self.effort)
+        self.thinking, self.effort = on, effort or self.effort
+        conv = self.conv
+        if conv is not None:
+            conv.thinking, conv.effort = self.thinking, self.effort
+            try:
+                conv.prompt_ids()
+            except ContextOverflow as exc:
+                self.thinking, self.effort = old
+                conv.thinking, conv.effort = old
+                self.chat.show_notice(f"thinking not changed: {exc}", error=True)
+                return
+            except Exception:
+                pass
+        self.say(f"Thinking {'effort ' + self.effort if on else 'off'} from the next answer")
+
+    def set_reasoning_display(self, mode: str) -> None:
+        self.reasoning_display = mode
+        for block in self.chat.query(ReasoningBlock):
+            block.set_mode(mode)
+        self.say(f"Reasoning blocks: {mode}")
+
+    async def toggle_markdown(self) -> None:
+        if self.busy:
+            self.say("change the answer format after this answer", warning=True)
+            return
+        self.markdown = not self.markdown
+        await self.chat.show_history(self.conv.records if self.conv is not None else [])
+        self.say("Answers shown as Markdown" if self.markdown else "Answers shown as plain text")
+
+    def view_last_reasoning(self) -> None:
+        blocks = [t.reasoning for t in self.chat.transcript.turns() if t.reasoning is not None]
+        if not blocks:
+            self.say("no reasoning yet")
+            return
+        self.open_viewer(blocks[-1])
+
+    def copy_last_answer(self) -> None:
+        answer = self.chat.last_answer()
+        if answer is None:
+            self.say("no answer yet")
+            return
+        self.copy_to_clipboard(answer.text)
+        self.say(f"Copied the answer ({len(answer.text):,} characters)")
+
+    def export_current(self) -> None:
+        if self.conv is None:
+            self.say("nothing to export yet")
+            return
+        session_id = self.conv.session_id
+        name = self.session.name if self.session is not None else session_id
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name).strip("-")[:60] or "session"
+
+        def done(target: str | None) -> None:
+            if not target:
+                return
+            from k3chat import paths
+
+            path = Path(target).expanduser()
+            fmt = export_format(path)
+            try:
+                text = {"md": self.store.export_markdown, "json": self.store.export_json,
+                        "jsonl": self.store.export_peer_jsonl}[fmt](session_id)
+                paths.atomic_write(path, text.encode("utf-8"))
+            except (HistoryError, OSError) as exc:
+                self.say(f"not exported: {exc}", error=True)
+                return
+            self.say(f"Exported to {path} (readable only by you)")
+
+        self.push_screen(AskScreen("Export to (.md Markdown, .json everything, .jsonl for kimi-k3-in-c; mode 0600):",
+                                   str(Path.cwd() / f"{safe}.md")), done)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
+        yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
+        yield SystemCommand("Help", "Every key (f1)", self.action_help)
+        yield SystemCommand("Thinking: off", "Answer without reasoning", partial(self.set_thinking, False))
+        for effort in EFFORTS:
+            yield SystemCommand(f"Thinking: {effort}", f"Reason before answering, effort {effort}",
+                                partial(self.set_thinking, True, effort))
+        for mode in DISPLAY_MODES:
+            yield SystemCommand(f"Reasoning display: {mode}", {
+                "expanded": "Keep reasoning blocks open",
+                "auto": "Open while thinking, folded when the answer starts",
+                "hidden": "Do not show reasoning"}[mode], partial(self.set_reasoning_display, mode))
+        yield SystemCommand("Answers: Markdown / plain text", "Switch how answers are drawn", self.toggle_markdown)
+        yield SystemCommand("View last reasoning", "Full screen, with search (v on a block)", self.view_last_reasoning)
+        yield SystemCommand("Copy last answer", "To the clipboard", self.copy_last_answer)
+        yield SystemCommand("Export this session", "Markdown, JSON or JSONL, private file", self.export_current)
+
+
+def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = False,
+              engine_factory: EngineFactory | None = None, session: str | None = None,
+              memory: str | None = None, threads: int | None = None, context: int | None = None,
+              store: HistoryStore | None = None) -> K3ChatApp:
+    """The app for ``model_dir`` (or the demo model). ``session`` is an id or a name: resumed if
+    it exists, else the name of the session the first message creates. ``engine_factory``
+    replaces the way the model is opened (tests); the default plans ``memory`` and opens it."""
+    if model_dir is None and not demo:
+        raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
+    if engine_factory is None:
+        engine_factory = partial(_default_factory, memory=memory or ("all" if demo else None), threads=threads,
+                                 context=context)
+    store = store or HistoryStore()
+    info = find_session(store, session) if session else None
+    if session is not None and info is None:
+        from k3chat.history import _check_name
+
+        try:
+            _check_name(session)
+        except HistoryError as exc:
+            raise AppUsageError(f"--session: {exc}") from None
+    return K3ChatApp(Path(model_dir) if model_dir is not None else None, settings=settings, demo=demo,
+                     engine_factory=engine_factory, session=info,
+                     new_session_name=session if info is None else None, store=store)
+
+
+def _default_factory(model_dir: Path, settings: Settings, progress: Callable[[str], None], *,
+                     memory: str | None, threads: int | None, context: int | None) -> Engine:
+    return open_engine(model_dir, settings, progress, memory=memory, threads=threads, context=context)
+
+
+__all__ = ["K3ChatApp", "build_app", "AppUsageError", "session_name", "find_session"]

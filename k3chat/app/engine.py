@@ -1,0 +1,160 @@
+"""Opening what the app chats with: a model directory (or the built-in demo model) and its
+tokenizer. Runs on a worker thread; ``progress`` receives one line per step for the screen.
+
+The default factory goes through ``k3engine.budgeted.open_budgeted`` exactly like
+``k3chat run``: the memory plan is made before anything loads and refused with its numbers.
+Tests pass their own factory (an already open model, a scripted sampler).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3chat import paths
+from k3chat.settings import Settings
+
+Progress = Callable[[str], None]
+
+DEMO_PRESET = "tiny"
+DEMO_DIR_NAME = "demo-tiny-v1"
+
+
+class EngineOpenError(Exception):
+    """The model could not be opened; the message is for the user. ``usage`` is True when the
+    cause is the command line or the checkpoint (exit 2), False for a runtime failure."""
+
+    def __init__(self, message: str, *, usage: bool = True) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass
+class Engine:
+    """An open model and what the app shows about it."""
+
+    model: Any
+    tokenizer: Any
+    model_dir: Path
+    name: str
+    plan: Any = None  # k3engine.planner.Plan, None when every weight is resident without a plan
+    memory: str = "all"
+    owns_model: bool = True  # close the model when the app closes
+    context: int | None = None  # Conversation(context=...): None means the model's own limit
+    conversation_options: dict[str, Any] = field(default_factory=dict)  # more Conversation kwargs
+
+    def close(self) -> None:
+        if self.owns_model:
+            try:
+                self.model.close()
+            except Exception:
+                pass
+
+
+EngineFactory = Callable[[Path, Settings, Progress], Engine]
+
+
+def plan_summary(engine: Engine) -> str:
+    """One short line about the memory plan, for the status bar."""
+    plan = engine.plan
+    if plan is None:
+        return "all resident"
+    from k3engine.sizes import format_bytes
+
+    if plan.trunk_resident:
+        trunk = "trunk resident"
+    else:
+        trunk = f"trunk {len(plan.pinned_layers)} pinned/{len(plan.streamed_layers)} streamed"
+    budget = format_bytes(plan.budget).replace(".00 ", " ")
+    return f"{budget}: {trunk}, {plan.expert_slots} expert slots"
+
+
+def open_engine(model_dir: Path, settings: Settings, progress: Progress, *, memory: str | None = None,
+                threads: int | None = None, context: int | None = None) -> Engine:
+    """Plan and open ``model_dir`` under the memory budget; raise EngineOpenError with the reason."""
+    from k3engine.budgeted import open_budgeted
+    from k3engine.errors import CheckpointError
+    from k3engine.model import EngineError
+    from k3engine.planner import DEFAULT_CONTEXT, PlanError
+    from k3engine.sizes import MemorySizeError
+
+    from k3chat.tokenizer import Tokenizer, TokenizerError
+
+    memory = memory or settings.memory
+    n_threads = min(threads or os.cpu_count() or 1, 64)
+    progress(f"Planning memory ({memory}) and opening {model_dir}")
+    try:
+        opened = open_budgeted(model_dir, memory=memory, context=context or DEFAULT_CONTEXT, threads=n_threads)
+    except (PlanError, MemorySizeError) as exc:
+        raise EngineOpenError(str(exc)) from exc
+    except CheckpointError as exc:
+        raise EngineOpenError(f"cannot open {model_dir}: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise EngineOpenError(str(exc)) from exc
+    except EngineError as exc:
+        raise EngineOpenError(f"the engine refused {model_dir}: {exc}", usage=False) from exc
+    progress("Loading the tokenizer")
+    try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer.engine_vocab_check(opened.model.config.vocab)
+    except TokenizerError as exc:
+        opened.model.close()
+        raise EngineOpenError(f"tokenizer in {model_dir}: {exc}") from exc
+    # N_ctx: the context the memory plan was made for (the Conversation must not outgrow it)
+    planned = opened.plan.context if opened.plan is not None else context
+    return Engine(model=opened.model, tokenizer=tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,
+                  plan=opened.plan, memory=memory, context=planned)
+
+
+# --------------------------------------------------------------------------- the demo model
+
+
+def demo_cache_dir() -> Path:
+    """Where the demo model is cached: ``$K3CHAT_HOME/cache``, else the platform cache dir."""
+    home = os.environ.get(paths.HOME_ENV)
+    if home:
+        return Path(home).expanduser() / "cache"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir(paths.APP_NAME, appauthor=False))
+
+
+def _complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file() and (model_dir / "tokenizer_config.json").is_file() and any(
+        model_dir.glob("*.safetensors"))
+
+
+def ensure_demo_model(progress: Progress, cache: Path | None = None) -> Path:
+    """The built-in tiny demo model, written once into the cache (random weights: it babbles)."""
+    from k3engine.fixture import write_fixture
+
+    root = cache or demo_cache_dir()
+    target = root / DEMO_DIR_NAME
+    if _complete(target):
+        progress(f"Demo model found in {target}")
+        return target
+    progress(f"Writing the demo model (preset {DEMO_PRESET!r}, a few MB) to {target}")
+    root.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # ours, and incomplete: write_fixture renames into place, so this is rare
+        shutil.rmtree(target)
+    try:
+        write_fixture(DEMO_PRESET, target, with_oracle=False)
+    except FileExistsError:
+        if not _complete(target):  # another k3chat wrote it at the same time, or not
+            raise
+    progress("Demo model written")
+    return target
+
+
+def demo_factory(settings: Settings, progress: Progress, **options: Any) -> Engine:
+    """Write (once) and open the demo model, with every weight resident."""
+    model_dir = ensure_demo_model(progress)
+    if not options.get("memory"):
+        options["memory"] = "all"  # tiny: everything fits; --memory still plans it if given
+    engine = open_engine(model_dir, settings, progress, **options)
+    engine.name = "demo (tiny, random weights)"
+    return engine

@@ -1,0 +1,76 @@
+"""Help: every key, on one screen (f1 or ? ; escape closes)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("Writing", (
+        ("enter", "send the message"),
+        ("shift+enter, ctrl+j, alt+enter", "new line"),
+        ("ctrl+e", "edit your last message and resend it (escape cancels)"),
+        ("ctrl+r", "regenerate the last answer (or answer an unanswered message)"),
+    )),
+    ("While the model answers", (
+        ("ctrl+c", "copy the selection if there is one; otherwise stop after the step in flight "
+                   "(the partial answer is kept, marked interrupted, and saved)"),
+        ("ctrl+c again", "stop the step in flight too, save and quit"),
+        ("ctrl+q", "save and quit (again: stop the step in flight; a third time: quit at once)"),
+    )),
+    ("Reading", (
+        ("tab, shift+tab", "move between the input and the blocks"),
+        ("alt+up, alt+down", "previous / next block"),
+        ("ctrl+t", "fold or unfold the focused reasoning block (else the last one)"),
+        ("enter, space", "fold or unfold the focused reasoning block"),
+        ("c", "copy the focused block"),
+        ("v", "full-screen reasoning viewer with search (/ find, n next, N previous)"),
+        ("shift+pageup, shift+pagedown", "scroll the transcript"),
+        ("escape", "back to the input"),
+    )),
+    ("Elsewhere", (
+        ("ctrl+s", "sessions: search, resume, rename, delete, export"),
+        ("ctrl+n", "start a new session"),
+        ("ctrl+p", "command palette (thinking, reasoning display, Markdown, theme, ...)"),
+        ("f1, ?", "this help"),
+    )),
+)
+
+ABOUT = ("k3chat runs Kimi K3 on this machine. It never uses the network: nothing you type "
+         "or the model writes leaves it. Sessions are saved as you go (files readable only by you). "
+         "Keys can be changed in config.toml, e.g. [keys] quit = \"ctrl+x\" (names: interrupt, quit, help, "
+         "regenerate, edit_last, sessions, new_session, toggle_reasoning, previous_block, next_block).")
+
+
+def help_table() -> Table:
+    """Keys and what they do, descriptions wrapped in their own column (plain Text, no markup)."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True)
+    table.add_column(ratio=1)
+    for n, (title, rows) in enumerate(KEYS):
+        if n:
+            table.add_row("", "")
+        table.add_row(Text(title, style="bold"), "")
+        for key, text in rows:
+            table.add_row(Text(key, style="bold"), Text(text))
+    table.add_row("", "")
+    table.add_row("", Text(ABOUT, style="italic"))
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,f1,question_mark", "close", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Static(Content.styled("k3chat keys", "bold"), id="help-title", markup=False)
+            yield Static(help_table(), id="help-text", markup=False)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

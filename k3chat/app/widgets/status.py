@@ -1,0 +1,102 @@
+"""The status bar: model, memory plan, phase, speed, expert cache hit rate, bytes read per
+token and context used. Figures for a turn are differences of the engine's cumulative
+counters since the turn's prefill ended, so they describe decoding, not the history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.content import Content
+from textual.widgets import Static
+
+from ..text import one_line
+
+
+def short_count(n: int) -> str:
+    if n >= 1_000_000:
+        return f"{n / 1_048_576:.1f}M" if n % 1_048_576 else f"{n // 1_048_576}M"
+    if n >= 100_000:
+        return f"{n // 1024}K"
+    return f"{n:,}"
+
+
+def format_speed(tokens_per_second: float | None) -> str:
+    if not tokens_per_second:
+        return ""
+    if tokens_per_second >= 1:
+        return f"{tokens_per_second:.1f} tok/s"
+    return f"{1 / tokens_per_second:.1f} s/tok"
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+class StatusBar(Static):
+    """One line, built from plain values (never markup)."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id, markup=False)
+        self.model = ""
+        self.plan = ""
+        self.phase = "loading"
+        self.speed = ""
+        self.cache = ""
+        self.per_token = ""
+        self.context = ""
+        self._base: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_model(self, name: str, plan: str) -> None:
+        self.model, self.plan = name, plan
+        self._show()
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._show()
+
+    def set_context(self, used: int | None, limit: int | None, *, estimate: bool = False) -> None:
+        if used is None or limit is None:
+            self.context = ""
+        else:
+            self.context = f"ctx {'~' if estimate else ''}{used:,}/{short_count(limit)}"
+        self._show()
+
+    def turn_started(self) -> None:
+        self._base = None
+        self.speed = self.cache = self.per_token = ""
+        self._show()
+
+    def update_stats(self, stats: Any) -> None:
+        """From a k3chat.events.Stats event."""
+        engine = dict(stats.engine or {})
+        if self._base is None or stats.generated_tokens == 0:
+            self._base = engine  # the counters when decoding starts
+        base = self._base
+        speed = stats.tokens_per_second
+        if speed:
+            self.speed = format_speed(speed)
+        elif stats.generated_tokens == 0 and stats.prefill_seconds > 0 and stats.prefilled_tokens:
+            self.speed = f"prefill {stats.prefilled_tokens / stats.prefill_seconds:.1f} tok/s"
+        delta = {k: engine.get(k, 0) - base.get(k, 0) for k in engine}
+        hits, misses = delta.get("cache_hits", 0), delta.get("cache_misses", 0)
+        if hits + misses > 0:
+            self.cache = f"cache {100 * hits / (hits + misses):.0f}%"
+        fed = delta.get("tokens_fed", 0)
+        read = delta.get("expert_bytes_read", 0) + delta.get("trunk_bytes_read", 0)
+        if fed > 0:
+            self.per_token = f"{format_bytes(read / fed)}/tok read"
+        self.set_context(stats.context_used, stats.context_limit)
+
+    # ------------------------------------------------------------------ output
+
+    def parts(self) -> list[str]:
+        fields = [self.model, self.plan, self.phase, self.speed, self.cache, self.per_token, self.context]
+        return [one_line(f, 60) for f in fields if f]
+
+    def _show(self) -> None:
+        self.update(Content(" \u2502 ".join(self.parts())))

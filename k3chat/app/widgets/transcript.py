@@ -1,0 +1,239 @@
+"""The conversation as blocks: your messages, and per answer a reasoning block and the answer.
+
+Every block can take focus (tab / shift+tab, alt+up / alt+down); c copies the focused one.
+Answers stream into a Markdown stream (or plain text); the transcript follows the bottom until
+you scroll up. Model text is never parsed as markup: Markdown is parsed with HTML off and no
+link detection, links are never opened, and every piece of text is neutralised first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from markdown_it import MarkdownIt
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widget import Widget
+from textual.widgets import Markdown, Static
+
+from ..text import literal, neutralise
+from .reasoning import ReasoningBlock
+
+
+def _hard_breaks(state: Any) -> None:
+    """A single newline inside a paragraph is a line break (chat text is written that way);
+    Textual draws a soft break as a space."""
+    for token in state.tokens:
+        if token.type == "inline" and token.children:
+            for child in token.children:
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+
+def safe_markdown_parser() -> MarkdownIt:
+    """CommonMark plus tables and strikethrough; raw HTML is text, URLs are not turned into
+    links, and single newlines are kept."""
+    md = MarkdownIt("gfm-like", {"html": False, "linkify": False, "breaks": True, "typographer": False})
+    md.core.ruler.push("k3chat_hard_breaks", _hard_breaks)
+    return md
+
+
+class _Block(Widget, can_focus=True):
+    """A focusable block whose text can be copied."""
+
+    BINDINGS = [Binding("c", "copy", "Copy", show=True)]
+    what = "text"
+
+    @property
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def action_copy(self) -> None:
+        self.post_message(ReasoningBlock.CopyRequested(self.text, self.what))
+
+
+class UserMessage(_Block):
+    what = "message"
+
+    def __init__(self, text: str, *, pending: bool = False) -> None:
+        super().__init__(classes="message user")
+        self._text = text
+        self.set_class(pending, "-pending")
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def compose(self) -> ComposeResult:
+        yield Static("You", classes="speaker", markup=False)
+        yield Static(literal(self._text), classes="body", markup=False)
+
+
+class AnswerBlock(_Block):
+    """The answer: Markdown (streamed) or plain text."""
+
+    BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True)]
+    what = "answer"
+
+    def __init__(self, text: str = "", *, markdown: bool = True, live: bool = False) -> None:
+        super().__init__(classes="answer")
+        self._parts: list[str] = [text] if text else []
+        self._markdown = markdown
+        self._stream: Any = None
+        self._flush_pending = False
+        self.live = live
+        # Children made here, not queried: text may arrive before they are mounted.
+        self._body: Widget = (
+            Markdown(neutralise(text), parser_factory=safe_markdown_parser, open_links=False) if markdown
+            else Static(literal(text), classes="plain", markup=False))
+        self._placeholder = Static(self._placeholder_text(), classes="answer-placeholder", markup=False)
+        self._placeholder.display = not text
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def compose(self) -> ComposeResult:
+        yield self._body
+        yield self._placeholder
+
+    def _placeholder_text(self) -> Content:
+        return Content("\u2026" if self.live else "(no answer)")
+
+    def _show_placeholder(self) -> None:
+        self._placeholder.display = not self.text
+
+    async def append(self, text: str) -> None:
+        if not text:
+            return
+        self._parts.append(text)
+        self._show_placeholder()
+        if self._markdown:
+            if self._stream is None:
+                assert isinstance(self._body, Markdown)
+                self._stream = Markdown.get_stream(self._body)
+            await self._stream.write(neutralise(text))
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.call_after_refresh(self._flush_plain)
+
+    def _flush_plain(self) -> None:
+        self._flush_pending = False
+        if isinstance(self._body, Static):
+            self._body.update(literal(self.text))
+
+    async def finish(self, final: str | None = None) -> None:
+        """The turn is over; ``final`` is the answer as stored (shown if it differs)."""
+        self.live = False
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if final is not None and final != self.text:
+            self._parts = [final]
+            if isinstance(self._body, Markdown):
+                await self._body.update(neutralise(final))
+            else:
+                self._flush_plain()
+        self._placeholder.update(self._placeholder_text())
+        self._show_placeholder()
+
+    def action_view(self) -> None:
+        turn = self.parent
+        if isinstance(turn, AssistantMessage) and turn.reasoning is not None:
+            turn.reasoning.action_view()
+        else:
+            self.app.notify("This answer has no reasoning", markup=False)
+
+
+class AssistantMessage(Vertical):
+    """One answer: reasoning block (when thinking was on), answer, and a status line."""
+
+    def __init__(self, *, thinking: bool, mode: str, markdown: bool, live: bool = False,
+                 record: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
+        super().__init__(classes="message assistant")
+        self.live = live
+        self.reasoning: ReasoningBlock | None = None
+        if record is not None:
+            reasoning = record.get("reasoning_content")
+            interrupted = bool(record.get("interrupted"))
+            if reasoning is not None:
+                tokens, seconds = _reasoning_size(reasoning, record, tokenizer)
+                self.reasoning = ReasoningBlock(reasoning, mode=mode, tokens=tokens, seconds=seconds,
+                                                approximate=True,
+                                                interrupted=interrupted and not record.get("content"))
+            self.answer = AnswerBlock(str(record.get("content", "")), markdown=markdown)
+            self._status = "interrupted" if interrupted else ""
+        else:
+            if thinking:
+                self.reasoning = ReasoningBlock(live=live, mode=mode)
+            self.answer = AnswerBlock(markdown=markdown, live=live)
+            self._status = ""
+
+    def compose(self) -> ComposeResult:
+        yield Static("K3", classes="speaker", markup=False)
+        if self.reasoning is not None:
+            yield self.reasoning
+        yield self.answer
+        status = Static(Content(self._status), classes="turn-status", markup=False)
+        status.display = bool(self._status)
+        yield status
+
+    def set_status(self, text: str, *, warning: bool = True) -> None:
+        self._status = text
+        status = self.query_one(".turn-status", Static)
+        status.update(literal(text))
+        status.display = bool(text)
+        status.set_class(warning, "-warning")
+
+
+def _reasoning_size(reasoning: str, record: Mapping[str, Any], tokenizer: Any) -> tuple[int, float | None]:
+    """Tokens and seconds of a stored reasoning (not stored as such: recounted, estimated)."""
+    tokens = 0
+    generated = (record.get("tokens") or {}).get("generated")
+    if not record.get("content") and isinstance(generated, int) and generated > 0:
+        tokens = generated  # no answer: every sampled id was reasoning
+    elif reasoning:
+        try:
+            tokens = len(tokenizer.encode_text(reasoning)) if tokenizer is not None else len(reasoning) // 4
+        except Exception:
+            tokens = len(reasoning) // 4
+    speed = (record.get("speed") or {}).get("decode_tokens_per_second")
+    seconds = tokens / speed if isinstance(speed, (int, float)) and speed > 0 and tokens else None
+    if seconds is not None and seconds < 0.1:
+        seconds = None  # "about 0.0 s" says nothing
+    return tokens, seconds
+
+
+class Transcript(VerticalScroll, can_focus=False):
+    """The scrolling conversation; anchored to the bottom until the user scrolls up."""
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    def blocks(self) -> list[Widget]:
+        """Focusable blocks in reading order (hidden reasoning blocks excluded)."""
+        return [w for w in self.query("UserMessage, ReasoningBlock, AnswerBlock") if w.display]
+
+    def turns(self) -> list[AssistantMessage]:
+        return list(self.query(AssistantMessage))
+
+    async def show_records(self, records: Iterable[Mapping[str, Any]], *, mode: str, markdown: bool,
+                           tokenizer: Any) -> None:
+        await self.remove_children()
+        widgets: list[Widget] = []
+        for record in records:
+            role = record.get("role")
+            if role == "user":
+                widgets.append(UserMessage(str(record.get("content", ""))))
+            elif role == "assistant":
+                widgets.append(AssistantMessage(thinking="reasoning_content" in record, mode=mode,
+                                                markdown=markdown, record=record, tokenizer=tokenizer))
+            elif role == "system":
+                widgets.append(Static(literal(f"System: {record.get('content', '')}"), classes="system",
+                                      markup=False))
+        if widgets:
+            await self.mount_all(widgets)
+        self.anchor()
