@@ -14,6 +14,7 @@ import select
 import signal
 import stat
 import subprocess
+import tempfile
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -663,4 +664,6 @@ def test_core_and_engine_never_import_textual() -> None:
     code = ("import sys, k3chat.conversation, k3chat.chat_cli, k3chat.cli, k3engine.model, k3engine.budgeted; "
             "assert 'textual' not in sys.modules, sorted(m for m in sys.modules if 'textual' in m); "
             "import k3chat.app; assert 'textual' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # run outside the checkout: `-c` puts the working directory first on sys.path, and the
+    # source tree's k3chat has no k3chat.themes (the installed package maps themes/ there)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tempfile.gettempdir())
