@@ -40,7 +40,7 @@ from typing import Any, Callable
 from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import HistoryError, HistoryStore, SessionInfo, display_name
+from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name
 
 
 def _err(message: str) -> None:
@@ -148,16 +148,11 @@ def _open_store() -> HistoryStore:
 
 
 def find_session(store: HistoryStore, ref: str) -> SessionInfo | None:
-    """A session by id, else by exact name (refused when several share it)."""
-    infos = store.list()
-    for info in infos:
-        if info.id == ref:
-            return info
-    named = [info for info in infos if info.name == ref]
-    if len(named) > 1:
-        ids = ", ".join(info.id for info in named)
-        raise _Usage(f"several sessions are named {ref!r} ({ids}); use an id")
-    return named[0] if named else None
+    """A session by id or name; a shared name is a usage error."""
+    try:
+        return store.find(ref)
+    except AmbiguousSession as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _discard_if_empty(store: HistoryStore, info: SessionInfo) -> None:

@@ -69,6 +69,10 @@ class HistoryError(Exception):
     """A history operation failed; the message says what and whether anything was lost."""
 
 
+class AmbiguousSession(HistoryError):
+    """A session name that several sessions share: the caller must use an id."""
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     id: str
@@ -440,6 +444,18 @@ class HistoryStore:
             entries = self._current_index()
         infos = [_info(session_id, entry) for session_id, entry in entries.items()]
         return sorted(infos, key=lambda info: (info.updated, info.id), reverse=True)
+
+    def find(self, ref: str) -> SessionInfo | None:
+        """A session by id, else by exact name; AmbiguousSession when several share it."""
+        infos = self.list()
+        for info in infos:
+            if info.id == ref:
+                return info
+        named = [info for info in infos if info.name == ref]
+        if len(named) > 1:
+            ids = ", ".join(info.id for info in named)
+            raise AmbiguousSession(f"several sessions are named {ref!r} ({ids}); use an id")
+        return named[0] if named else None
 
     def info(self, session_id: str) -> SessionInfo:
         _check_id(session_id)

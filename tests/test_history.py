@@ -595,3 +595,16 @@ def test_peer_export_drops_unrendered_records_and_reports_damage(store: HistoryS
         f.write(b"{broken\n")
     _, warnings = store.export_peer_jsonl_checked(sid)
     assert any(w.startswith("damaged line not exported: line") for w in warnings)
+
+
+def test_find_by_id_or_name_and_refuse_a_shared_name(tmp_path: Path) -> None:
+    from k3chat.history import AmbiguousSession
+
+    store = HistoryStore(tmp_path / "h")
+    a = store.create("alpha")
+    b1, b2 = store.create("beta"), store.create("beta")
+    assert store.find(a.id) == store.find("alpha") and store.find("alpha").id == a.id
+    assert store.find("nope") is None
+    with pytest.raises(AmbiguousSession, match="use an id"):
+        store.find("beta")
+    assert store.find(b2.id).id == b2.id and b1.id != b2.id

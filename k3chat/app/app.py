@@ -37,7 +37,7 @@ from textual.widgets import Input, TextArea
 
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
-from k3chat.history import HistoryError, HistoryStore, SessionInfo
+from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo
 from k3chat.settings import Settings
 
 from .engine import Engine, EngineFactory, EngineOpenError, ensure_demo_model, open_engine, plan_summary
@@ -92,15 +92,11 @@ def session_name(text: str) -> str:
 
 
 def find_session(store: HistoryStore, ref: str) -> SessionInfo | None:
-    """A session by id, else by exact name (AppUsageError when several share the name)."""
-    infos = store.list()
-    for info in infos:
-        if info.id == ref:
-            return info
-    named = [info for info in infos if info.name == ref]
-    if len(named) > 1:
-        raise AppUsageError(f"several sessions are named {ref!r} ({', '.join(i.id for i in named)}); use an id")
-    return named[0] if named else None
+    """A session by id or name (AppUsageError when several share the name)."""
+    try:
+        return store.find(ref)
+    except AmbiguousSession as exc:
+        raise AppUsageError(str(exc)) from None
 
 
 class K3ChatApp(App[int]):
