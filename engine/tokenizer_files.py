@@ -18,6 +18,7 @@ import base64
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Callable, Iterable
 
 import regex  # a dependency of tiktoken; needed for the V1 class intersection `&&`
 
@@ -161,10 +162,24 @@ def _pick_pair(counts: Counter[tuple[bytes, bytes]], rejected: set[tuple[bytes, 
 
 def learn_ranks(n_ranks: int = DEFAULT_N_RANKS) -> dict[bytes, int]:
     """Learn `n_ranks` dense ranks: bytes 0..255, then merges from the embedded corpus."""
+    return learn_ranks_from(Counter(p.encode("utf-8") for p in _pretokenize(_CORPUS)), n_ranks)
+
+
+def piece_counts(texts: Iterable[str]) -> Counter[bytes]:
+    """How often each pre-tokenized piece occurs in the texts (each text cut alone)."""
+    freq: Counter[bytes] = Counter()
+    for text in texts:
+        freq.update(p.encode("utf-8") for p in _pretokenize(text))
+    return freq
+
+
+def learn_ranks_from(freq: Counter[bytes], n_ranks: int, *,
+                     allow: Callable[[bytes], bool] | None = None) -> dict[bytes, int]:
+    """Learn `n_ranks` dense ranks from piece counts: bytes 0..255, then the most frequent
+    merges. ``allow(token)`` may refuse a merged token (the demo keeps every digit alone)."""
     if n_ranks < 256:
         raise ValueError(f"n_ranks must be >= 256 (all one-byte tokens), got {n_ranks}")
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
-    freq = Counter(p.encode("utf-8") for p in _pretokenize(_CORPUS))
     words: dict[bytes, list[bytes]] = {w: _bpe(w, ranks) for w in freq}
     counts: Counter[tuple[bytes, bytes]] = Counter()
     for w, parts in words.items():
@@ -174,10 +189,10 @@ def learn_ranks(n_ranks: int = DEFAULT_N_RANKS) -> dict[bytes, int]:
     while len(ranks) < n_ranks:
         pair = _pick_pair(counts, rejected)
         if pair is None:
-            raise ValueError(f"the fixture corpus supports at most {len(ranks)} ranks, asked for {n_ranks}")
+            raise ValueError(f"the corpus supports at most {len(ranks)} ranks, asked for {n_ranks}")
         token = pair[0] + pair[1]
         # Keep only tokens that BPE can build from lower ranks in one final merge.
-        if len(_bpe(token, ranks)) != 2:
+        if len(_bpe(token, ranks)) != 2 or (allow is not None and not allow(token)):
             rejected.add(pair)
             continue
         ranks[token] = len(ranks)
@@ -245,7 +260,12 @@ def tokenizer_config(n_ranks: int) -> dict[str, object]:
 def write_fixture_tokenizer(out_dir: str | Path, *, n_ranks: int | None = None) -> int:
     """Write tiktoken.model and tokenizer_config.json into out_dir; return N + 256."""
     n = DEFAULT_N_RANKS if n_ranks is None else int(n_ranks)
-    ranks = learn_ranks(n)
+    return write_tokenizer(out_dir, learn_ranks(n))
+
+
+def write_tokenizer(out_dir: str | Path, ranks: dict[bytes, int]) -> int:
+    """Write tiktoken.model and tokenizer_config.json for learned ranks; return N + 256."""
+    n = len(ranks)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tiktoken.model").write_bytes(tiktoken_model_bytes(ranks))

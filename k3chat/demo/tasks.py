@@ -1,0 +1,621 @@
+"""What the built-in demo model was trained to do, and how its answers are checked.
+
+One generator serves the training text (``engine/train``), the held-out evaluation
+(``k3chat eval-demo``) and the shipped prompt file, so the three can never drift apart.
+
+Tasks: addition and subtraction of 1- to 3-digit numbers, comparing two numbers, counting a
+letter in a word, reversing a word, repeating a sentence back, follow-up arithmetic on the
+previous answer ("and add 7 to that"), questions about the model itself, and anything else
+(answered with a polite statement of what it can do). Each turn carries step-by-step
+reasoning for every thinking effort (low short, high longer, max longest) and one response.
+
+Held-out split: every question has a key (the numbers of a sum, the word and letter of a
+count, the sentence to repeat...). ``held_out(key)`` is a fixed hash test; training draws only
+keys outside it and evaluation only keys inside it, so every evaluated question is one the
+model never saw in training (for multi-turn, the follow-up's key is held out).
+
+No torch and no Textual here: the chat core may import this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+EFFORTS: tuple[str, ...] = ("low", "high", "max")
+MODES: tuple[str, ...] = EFFORTS + ("off",)   # "off": thinking off
+PLACES = ("Ones", "Tens", "Hundreds", "Thousands", "Ten thousands")
+HELD_OUT_MOD = 10
+
+
+def held_out(key: str) -> bool:
+    """True for the keys kept out of training (about one in ten), fixed forever."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELD_OUT_MOD == 0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One question and what the model should answer, for every thinking mode."""
+
+    task: str
+    key: str
+    question: str
+    reasoning: dict[str, str]       # effort -> reasoning text
+    response: str                   # the answer text (also with thinking off)
+    accept: tuple[str, ...]         # acceptable extracted answers
+    extract: str = "bold"           # "bold": the first **...** of the response; "whole": all of it
+    value: int | None = None        # the numeric result, for follow-up questions
+
+
+def extract_answer(turn: Turn, response: str) -> str:
+    if turn.extract == "whole":
+        return response.strip()
+    m = re.search(r"\*\*(.+?)\*\*", response)
+    return m.group(1).strip() if m else ""
+
+
+def is_correct(turn: Turn, response: str) -> bool:
+    return extract_answer(turn, response) in turn.accept
+
+
+# ----------------------------------------------------------------------------- words
+
+WORDS: tuple[str, ...] = tuple("""
+apple banana cherry grape lemon mango melon orange peach pear plum berry strawberry
+planet rocket comet star moon sun galaxy orbit earth mars venus
+house garden window door table chair kitchen pillow blanket carpet mirror
+river ocean island forest meadow valley mountain desert canyon lake pond
+tiger lion zebra horse rabbit monkey turtle parrot eagle falcon dolphin whale shark
+spider beetle butterfly kitten puppy donkey camel giraffe penguin squirrel
+pencil paper letter button bottle basket bucket candle hammer ladder needle rubber
+yellow purple silver golden orange violet
+music guitar piano violin trumpet drum flute rhythm melody
+winter summer spring autumn morning evening midnight tomorrow yesterday
+bread butter cheese cookie pepper carrot potato tomato onion garlic noodle pizza
+doctor farmer teacher pilot sailor painter baker driver singer writer
+happy simple quiet gentle clever brave strong little bright
+coffee cotton copper pocket rocket jacket ticket bubble puzzle riddle
+school market office station library museum theater hospital castle bridge
+computer keyboard printer network signal battery cable engine wheel
+mississippi banana committee balloon coffee bookkeeper assessment parallel
+letter bottle tomorrow success address illness recess occurrence
+""".split())
+WORDS = tuple(dict.fromkeys(WORDS))  # unique, in a fixed order
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+_ADJ = ("quick", "brown", "lazy", "small", "bright", "quiet", "happy", "old", "new", "red", "blue",
+        "green", "tiny", "big", "cold", "warm", "soft", "loud", "calm", "wild")
+_NOUN = ("fox", "dog", "cat", "bird", "river", "tree", "house", "car", "book", "child", "teacher",
+         "farmer", "ship", "train", "moon", "garden", "city", "road", "song", "letter", "cup", "lamp")
+_VERB = ("jumps over", "runs past", "looks at", "sings to", "waits for", "walks by", "finds",
+         "follows", "sees", "likes", "paints", "reads", "carries", "watches", "hears")
+_ADV = ("today", "again", "slowly", "at night", "in the morning", "every day", "quietly", "now")
+
+
+def _sentence(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        s = f"the {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_ADJ)} {rng.choice(_NOUN)}"
+    elif kind == 1:
+        s = f"a {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_NOUN)} {rng.choice(_ADV)}"
+    elif kind == 2:
+        s = f"my {rng.choice(_NOUN)} is {rng.choice(_ADJ)} and {rng.choice(_ADJ)}"
+    else:
+        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
+    if rng.random() < 0.5:
+        s = s[0].upper() + s[1:]
+    return s + rng.choice((".", ".", "!", "?", ""))
+
+
+# ----------------------------------------------------------------------- arithmetic
+
+
+def _digits(n: int) -> list[int]:
+    return [int(c) for c in reversed(str(n))]
+
+
+def _add_lines(a: int, b: int) -> tuple[list[str], list[str], int]:
+    """(high lines, low pieces, result) of a column addition from the ones up."""
+    da, db = _digits(a), _digits(b)
+    carry, high, low = 0, [], []
+    for i in range(max(len(da), len(db))):
+        x = da[i] if i < len(da) else 0
+        y = db[i] if i < len(db) else 0
+        s = x + y + carry
+        expr = f"{x} + {y}" + (" + 1" if carry else "")
+        if s >= 10:
+            high.append(f"{PLACES[i]}: {expr} = {s}. Write {s - 10}, carry 1.")
+            low.append(f"{expr} = {s}, carry 1.")
+            carry = 1
+        else:
+            high.append(f"{PLACES[i]}: {expr} = {s}. Write {s}.")
+            low.append(f"{expr} = {s}.")
+            carry = 0
+    if carry:
+        i = max(len(da), len(db))
+        high.append(f"{PLACES[i]}: the carry 1. Write 1.")
+        low.append("carry 1.")
+    return high, low, a + b
+
+
+def _sub_lines(a: int, b: int) -> tuple[list[str], list[str], int]:
+    """Column subtraction a - b for a >= b, from the ones up, with borrows."""
+    da, db = _digits(a), _digits(b)
+    borrow, high, low, written = 0, [], [], []
+    for i in range(len(da)):
+        x, y = da[i], (db[i] if i < len(db) else 0)
+        expr = f"{x} - {y}" + (" - 1" if borrow else "")
+        d = x - y - borrow
+        if d < 0:
+            d += 10
+            big = f"{x + 10} - {y}" + (" - 1" if borrow else "")
+            high.append(f"{PLACES[i]}: {expr} is below zero, so borrow 10: {big} = {d}. Write {d}.")
+            low.append(f"{big} = {d}, borrow 1.")
+            borrow = 1
+        else:
+            high.append(f"{PLACES[i]}: {expr} = {d}. Write {d}.")
+            low.append(f"{expr} = {d}.")
+            borrow = 0
+        written.append(d)
+    if len(written) > 1 and written[-1] == 0:
+        high.append("Drop the leading zeros.")
+    return high, low, a - b
+
+
+def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int]:
+    """Reasoning for a op b (a, b >= 0) at each effort, and the result."""
+    if op == "+":
+        high, low, r = _add_lines(a, b)
+        intro_high = f"Add {a} and {b} column by column, from the ones."
+        intro_max = (f"The task is {a} + {b}. I will add the two numbers column by column, starting "
+                     f"with the ones and carrying when a column reaches 10.")
+        tail = f"So {a} + {b} = {r}."
+        neg_high = neg_low = ""
+    else:
+        if a >= b:
+            high, low, r = _sub_lines(a, b)
+            neg_high = neg_low = ""
+            tail = f"So {a} - {b} = {r}."
+        else:
+            high, low, m = _sub_lines(b, a)
+            r = -m
+            neg_high = f"{a} is smaller than {b}, so the result is negative. Work out {b} - {a} instead."
+            neg_low = f"{a} < {b}, so compute {b} - {a} and negate."
+            tail = f"So {b} - {a} = {m}, and {a} - {b} = {r}."
+        top, bottom = max(a, b), min(a, b)
+        intro_high = f"Subtract {bottom} from {top} column by column, from the ones."
+        intro_max = (f"The task is {a} - {b}. I will subtract column by column, starting with the "
+                     f"ones and borrowing 10 when a column would go below zero.")
+    read = f"Reading the written digits from the highest place down gives {abs(r)}."
+    lead_sp = lead + "\n" if lead else ""
+    reasoning = {
+        "low": lead_sp + " ".join(p for p in [neg_low] + low if p) + f" So {r}.",
+        "high": lead_sp + "\n".join(p for p in [neg_high, intro_high] + high + [tail] if p),
+        "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
+    }
+    return reasoning, r
+
+
+def _arith_response(a: int, op: str, b: int, r: int, rng: random.Random) -> str:
+    style = rng.random()
+    expr = f"{a} {op} {b}"
+    if style < 0.6:
+        return f"{expr} = **{r}**."
+    if style < 0.8:
+        return f"The answer is **{r}**."
+    if style < 0.92 and op == "+":
+        return f"**{r}**\n\n| | |\n|---|---|\n| first number | {a} |\n| second number | {b} |\n| sum | {r} |"
+    return f"**{r}**\n\n- {expr}\n- result: {r}"
+
+
+_ADD_Q = ("What is {a} + {b}?", "What's {a} plus {b}?", "Calculate {a} + {b}.", "{a} + {b} = ?",
+          "Add {a} and {b}.", "How much is {a} + {b}?", "what is {a}+{b}", "Compute {a} + {b}.",
+          "What is the sum of {a} and {b}?", "{a} plus {b}?")
+_SUB_Q = ("What is {a} - {b}?", "What's {a} minus {b}?", "Subtract {b} from {a}.", "{a} - {b} = ?",
+          "Calculate {a} - {b}.", "How much is {a} - {b}?", "what is {a}-{b}", "Compute {a} - {b}.",
+          "What is {a} take away {b}?", "{a} minus {b}?")
+
+
+def _rand_n(rng: random.Random, digits: int) -> int:
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def arithmetic(rng: random.Random, op: str, digits: int) -> tuple[str, Callable[[], Turn]]:
+    a, b = _rand_n(rng, digits), _rand_n(rng, digits)
+    if rng.random() < 0.3 and digits > 1:    # mixed widths: 47 + 8, 305 - 26
+        b = _rand_n(rng, rng.randint(1, digits - 1))
+        if rng.random() < 0.5 and op == "+":
+            a, b = b, a
+    if op == "-" and a < b and rng.random() < 0.75:
+        a, b = b, a                          # mostly non-negative results
+    name = ("add_" if op == "+" else "sub_") + f"{digits}d"
+    key = f"{name}:{a}:{b}"
+
+    def make() -> Turn:
+        q = rng.choice(_ADD_Q if op == "+" else _SUB_Q).format(a=a, b=b)
+        reasoning, r = _arith_reasoning(a, op, b)
+        return Turn(name, key, q, reasoning, _arith_response(a, op, b, r, rng), (str(r),), value=r)
+
+    return key, make
+
+
+# ----------------------------------------------------------------------------- compare
+
+_CMP_Q = {
+    "larger": ("Which is larger, {x} or {y}?", "Which number is bigger: {x} or {y}?",
+               "Is {x} or {y} larger?", "Which is greater, {x} or {y}?", "Which is more, {x} or {y}?"),
+    "smaller": ("Which is smaller, {x} or {y}?", "Which number is less: {x} or {y}?",
+                "Is {x} or {y} smaller?"),
+}
+
+
+def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    dx, dy = rng.randint(1, 3), rng.randint(1, 3)
+    x = _rand_n(rng, dx)
+    if rng.random() < 0.5:
+        dy = dx
+    y = _rand_n(rng, dy)
+    if rng.random() < 0.25 and dx == dy and dx > 1:    # share the leading digit(s)
+        y = int(str(x)[:-1] + str(rng.randint(0, 9)))
+    if rng.random() < 0.03:
+        y = x
+    kind = "larger" if rng.random() < 0.75 else "smaller"
+    key = f"compare:{x}:{y}:{kind}"
+
+    def make() -> Turn:
+        q = rng.choice(_CMP_Q[kind]).format(x=x, y=y)
+        sx, sy = str(x), str(y)
+        big, small = max(x, y), min(x, y)
+        ans = big if kind == "larger" else small
+        lines: list[str] = []
+        if x == y:
+            lines.append(f"{x} and {y} are the same number.")
+            low = f"{x} = {y}, equal."
+        elif len(sx) != len(sy):
+            lines.append(f"{x} has {len(sx)} digit{'s' if len(sx) > 1 else ''} and {y} has "
+                         f"{len(sy)} digit{'s' if len(sy) > 1 else ''}, so {big} is larger.")
+            low = f"{len(sx)} vs {len(sy)} digits: {big} is larger."
+        else:
+            lines.append(f"Both have {len(sx)} digit{'s' if len(sx) > 1 else ''}. Compare from the left.")
+            low = ""
+            for i, (cx, cy) in enumerate(zip(sx, sy)):
+                place = PLACES[len(sx) - 1 - i]
+                if cx == cy:
+                    lines.append(f"{place}: {cx} and {cy} are the same.")
+                    low += f"{cx} = {cy}. "
+                else:
+                    lines.append(f"{place}: {cx} and {cy}; {max(cx, cy)} is larger, so {big} is larger.")
+                    low += f"{cx} vs {cy}: {big} is larger."
+                    break
+        if x != y and kind == "smaller":
+            lines.append(f"So {small} is the smaller one.")
+            low += f" Smaller: {small}."
+        reasoning = {
+            "low": low.strip(),
+            "high": "\n".join(lines),
+            "max": "\n".join([f"The question asks which of {x} and {y} is {kind}. I will compare the "
+                              f"number of digits first, then the digits from the left."] + lines
+                             + [f"So the answer is {ans}."]),
+        }
+        if x == y:
+            resp = f"They are equal: both are **{x}**."
+        else:
+            resp = rng.choice((f"**{ans}** is {kind}.", f"The {kind} number is **{ans}**.",
+                               f"**{ans}** is {kind} than {small if kind == 'larger' else big}."))
+        return Turn("compare", key, q, reasoning, resp, (str(ans),), value=ans)
+
+    return key, make
+
+
+# ------------------------------------------------------------------------------ words
+
+_COUNT_Q = ("How many {c}'s are in {w}?", "How many times does the letter {c} appear in {w}?",
+            "Count the {c}'s in {w}.", "How many {c}s are there in the word {w}?",
+            "In the word {w}, how many {c}'s are there?", "how many {c} in {w}?")
+
+
+def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    w = rng.choice(WORDS)
+    c = rng.choice(w) if rng.random() < 0.8 else rng.choice(LETTERS)
+    key = f"count:{w}:{c}"
+
+    def make() -> Turn:
+        q = rng.choice(_COUNT_Q).format(c=c, w=w)
+        n, parts, low_parts = 0, [], []
+        for ch in w:
+            if ch == c:
+                n += 1
+                parts.append(f"{ch} ({n})")
+                low_parts.append(f"{ch}({n})")
+            else:
+                parts.append(ch)
+                low_parts.append(ch)
+        times = f"{n} time{'s' if n != 1 else ''}"
+        spelled = ", ".join(parts) + "."
+        reasoning = {
+            "low": " ".join(low_parts) + f". {n}.",
+            "high": f"Spell {w} and count each {c}.\n{spelled}\nThe letter {c} appears {times}.",
+            "max": (f"The question asks how many times the letter {c} occurs in the word {w}. I will "
+                    f"spell the word letter by letter and keep a running count of every {c}.\n{spelled}\n"
+                    f"The running count ends at {n}.\nSo the letter {c} appears {times} in {w}."),
+        }
+        label = f"{c}'s" if n != 1 else c
+        resp = rng.choice((f"There {'is' if n == 1 else 'are'} **{n}** {label} in {w}.",
+                           f"The word {w} has **{n}** {label}.",
+                           f"**{n}**: the letter {c} appears {times} in {w}."))
+        return Turn("count", key, q, reasoning, resp, (str(n),), value=n)
+
+    return key, make
+
+
+_REV_Q = ("Reverse the word {w}.", "Spell {w} backwards.", "What is {w} reversed?", "Write {w} backwards.",
+          "Can you reverse {w}?", "reverse {w}", "What is {w} spelled backwards?")
+
+
+def reverse_word(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    w = rng.choice(WORDS)
+    qi = rng.randrange(len(_REV_Q))
+    key = f"reverse:{w}:{qi}"
+
+    def make() -> Turn:
+        rev = w[::-1]
+        fwd, bwd = ", ".join(w), ", ".join(rev)
+        body = f"Spell {w}: {fwd}.\nRead the letters from last to first: {bwd}.\nJoined together: {rev}."
+        reasoning = {
+            "low": f"{' '.join(w)}. Backwards: {' '.join(rev)}. {rev}.",
+            "high": body,
+            "max": (f"The task is to write the word {w} backwards. I will spell it, then read the "
+                    f"letters from the end to the start and join them.\n{body}\nSo {w} reversed is {rev}."),
+        }
+        resp = rng.choice((f"The word {w} reversed is **{rev}**.", f"**{rev}**",
+                           f"{w} backwards is **{rev}**."))
+        return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,))
+
+    return key, make
+
+
+_REPEAT_Q = ("Repeat after me: {s}", "Say this back to me exactly: {s}", "Please repeat: {s}",
+             "Repeat this sentence: {s}", "Echo this: {s}", "repeat after me: {s}")
+
+
+def repeat_sentence(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    s = _sentence(rng)
+    key = f"repeat:{s}"
+
+    def make() -> Turn:
+        reasoning = {
+            "low": "Repeat it exactly.",
+            "high": "The user wants the sentence back exactly, word for word.",
+            "max": ("The user asks me to repeat a sentence. I should copy it exactly as given, keeping "
+                    "every word, the capital letters and the punctuation, and add nothing else."),
+        }
+        return Turn("repeat", key, rng.choice(_REPEAT_Q).format(s=s), reasoning, s, (s,), extract="whole")
+
+    return key, make
+
+
+# ------------------------------------------------------------------ about and other
+
+ABOUT_ANSWERS: dict[str, str] = {
+    "greeting": ("Hello! I'm the k3chat demo model: a tiny model in the Kimi K3 architecture, trained "
+                 "on this computer. I can add and subtract numbers, compare two numbers, count a letter "
+                 "in a word, reverse a word and repeat a sentence back. What would you like to try?"),
+    "who": ("I'm the k3chat demo model, a tiny model in the Kimi K3 architecture (a few million "
+            "parameters) trained on arithmetic and word puzzles. I am not the real Kimi K3: point "
+            "k3chat at a Kimi K3 checkpoint directory for that."),
+    "can": ("I'm a tiny demo, so I can only do a few things:\n\n"
+            "- add and subtract numbers up to three digits, like **36 + 47**\n"
+            "- say which of two numbers is larger\n"
+            "- count a letter in a word\n"
+            "- reverse a word\n"
+            "- repeat a sentence back exactly\n\n"
+            "I can also build on my last answer, as in \"and add 7 to that\"."),
+    "other": ("Sorry, I can't help with that: I'm a tiny demo model that only knows arithmetic and a "
+              "few word puzzles. Try \"What is 36 + 47?\", \"How many r's are in strawberry?\" or "
+              "\"Reverse the word planet.\""),
+}
+_ABOUT_Q = {
+    "greeting": ("Hello", "Hi", "Hey", "Hello there", "Good morning", "Good evening", "Hi there",
+                 "Hello, how are you?", "hey there", "Greetings", "Howdy", "Good afternoon"),
+    "who": ("Who are you?", "What are you?", "Are you Kimi K3?", "Tell me about yourself.",
+            "What model are you?", "who are you", "Introduce yourself.", "What is your name?",
+            "Are you the real Kimi K3?", "Which model is this?"),
+    "can": ("What can you do?", "What are you able to do?", "Help", "What can I ask you?",
+            "what can you do", "What do you know?", "How can you help me?", "What tasks can you do?",
+            "Show me what you can do.", "What are your skills?"),
+}
+_REASON_ABOUT = {
+    "greeting": ("A greeting. Greet back and say what I can do.",
+                 "The user is greeting me. I should greet them back and say briefly what I can do.",
+                 "The user is greeting me. I am the k3chat demo model, so I should greet them back, "
+                 "say honestly what I am, and list the few things I can do."),
+    "who": ("Say honestly what I am.",
+            "The user asks who I am. I should say honestly that I am a tiny demo model, not Kimi K3.",
+            "The user asks who I am. I am a tiny demo model in the Kimi K3 architecture, trained on "
+            "arithmetic and word puzzles. I should say so honestly and explain how to use the real model."),
+    "can": ("List what I can do.",
+            "The user asks what I can do. I should list the tasks I was trained on.",
+            "The user asks what I can do. I was trained on a few tasks only: arithmetic, comparing "
+            "numbers, counting letters, reversing words and repeating sentences. I should list them."),
+    "other": ("Outside what I can do. Say so politely.",
+              "This is outside what I was trained for. I should say so politely and suggest what I can do.",
+              "This question is about something I was not trained on. I am a tiny demo model, so I "
+              "should not guess. I should say so politely and suggest a few things I can do."),
+}
+_TOPICS = ("the moon", "Paris", "dogs", "the ocean", "history", "music", "love", "cooking", "football",
+           "physics", "the weather", "computers", "Python", "my cat", "the stock market", "coffee")
+_OTHER_Q = ("What is the capital of France?", "Tell me a joke.", "Write a poem about {t}.",
+            "Explain {t} to me.", "What's the weather like today?", "Translate {w} into French.",
+            "Who won the world cup?", "What is {a} times {b}?", "What is {a} divided by {b}?",
+            "Write a story about {t}.", "Can you help me with my homework on {t}?",
+            "What do you think about {t}?", "Summarize this article about {t}.", "What time is it?",
+            "Recommend a book about {t}.", "What is the meaning of life?", "How do I cook {w}?",
+            "Tell me about {t}.", "Write some code to sort a list.", "What is the square root of {a}?")
+
+
+def about(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    kind = rng.choice(("greeting", "who", "can"))
+    q = rng.choice(_ABOUT_Q[kind])
+    if rng.random() < 0.3:
+        q = q.rstrip("?.!") + rng.choice(("!", "?", ".", ""))
+    if rng.random() < 0.2:
+        q = q.lower()
+    key = f"about:{q}"
+    return key, lambda: _canned("about", key, q, kind)
+
+
+def other(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    q = rng.choice(_OTHER_Q).format(t=rng.choice(_TOPICS), w=rng.choice(WORDS),
+                                    a=rng.randint(2, 99), b=rng.randint(2, 20))
+    key = f"other:{q}"
+    return key, lambda: _canned("other", key, q, "other")
+
+
+def _canned(task: str, key: str, q: str, kind: str) -> Turn:
+    low, high, mx = _REASON_ABOUT[kind]
+    answer = ABOUT_ANSWERS[kind]
+    return Turn(task, key, q, {"low": low, "high": high, "max": mx}, answer, (answer,), extract="whole")
+
+
+# ---------------------------------------------------------------------- follow-ups
+
+_FOLLOW_Q = {"+": ("And add {n} to that.", "Now add {n}.", "Add {n} to the result.", "and plus {n}?",
+                   "What is that plus {n}?", "Now add {n} to it."),
+             "-": ("Now subtract {n} from it.", "And take away {n}.", "What is that minus {n}?",
+                   "Subtract {n} from the result.", "and minus {n}?", "Now subtract {n}.")}
+
+
+def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, Callable[[], Turn]]:
+    op = rng.choice("+-")
+    n = _rand_n(rng, rng.choice((1, 1, 2, 2, 3)))
+    key = f"multi:{first_key}:{op}:{n}"
+
+    def make() -> Turn:
+        q = rng.choice(_FOLLOW_Q[op]).format(n=n)
+        lead = f"The previous answer was {previous}. Now {previous} {op} {n}."
+        reasoning, r = _arith_reasoning(previous, op, n, lead=lead)
+        resp = f"{previous} {op} {n} = **{r}**." if rng.random() < 0.7 else f"That gives **{r}**."
+        return Turn("multi_turn", key, q, reasoning, resp, (str(r),), value=r)
+
+    return key, make
+
+
+# ------------------------------------------------------------------- conversations
+
+Maker = Callable[[random.Random], tuple[str, Callable[[], Turn]]]
+SINGLE_TASKS: dict[str, tuple[float, Maker]] = {
+    "add_1d": (0.05, lambda r: arithmetic(r, "+", 1)),
+    "add_2d": (0.14, lambda r: arithmetic(r, "+", 2)),
+    "add_3d": (0.12, lambda r: arithmetic(r, "+", 3)),
+    "sub_1d": (0.05, lambda r: arithmetic(r, "-", 1)),
+    "sub_2d": (0.14, lambda r: arithmetic(r, "-", 2)),
+    "sub_3d": (0.12, lambda r: arithmetic(r, "-", 3)),
+    "compare": (0.09, compare),
+    "count": (0.09, count_letter),
+    "reverse": (0.09, reverse_word),
+    "repeat": (0.06, repeat_sentence),
+    "about": (0.025, about),
+    "other": (0.025, other),
+}
+EVAL_TASKS: tuple[str, ...] = tuple(SINGLE_TASKS) + ("multi_turn",)
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are helpful.",
+                  "Be concise and accurate.", "You are a careful assistant that shows its work.")
+
+
+@dataclass
+class Conversation:
+    """Turns plus the thinking mode they are rendered with ("low"/"high"/"max"/"off")."""
+
+    mode: str
+    turns: list[Turn]
+    system: str | None = None
+    scored: list[int] = field(default_factory=list)  # which turns an evaluation scores
+
+
+def _draw(rng: random.Random, maker: Maker, want_held_out: bool, tries: int = 400) -> Turn:
+    for _ in range(tries):
+        key, make = maker(rng)
+        if held_out(key) == want_held_out:
+            return make()
+    raise RuntimeError("could not draw a question on the requested side of the split")
+
+
+def _pick_task(rng: random.Random) -> str:
+    names = list(SINGLE_TASKS)
+    return rng.choices(names, weights=[SINGLE_TASKS[n][0] for n in names])[0]
+
+
+def training_conversation(rng: random.Random) -> Conversation:
+    """One training conversation: a single question (most), a follow-up chain, or two
+    unrelated questions in a row; every key on the training side of the split."""
+    mode = rng.choice(MODES)
+    system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.1 else None
+    kind = rng.random()
+    turns: list[Turn] = []
+    if kind < 0.2:
+        first = _draw(rng, SINGLE_TASKS[rng.choice(("add_1d", "add_2d", "add_3d", "sub_2d", "sub_3d"))][1], False)
+        while first.value is None or first.value < 0:
+            first = _draw(rng, SINGLE_TASKS["add_2d"][1], False)
+        turns.append(first)
+        for _ in range(rng.choice((1, 1, 2))):
+            prev = turns[-1]
+            if prev.value is None or prev.value < 0:
+                break
+            turns.append(_draw(rng, lambda r, p=prev: follow_up(r, int(p.value or 0), p.key), False))
+    elif kind < 0.3:
+        turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False) for _ in range(2)]
+    else:
+        turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False)]
+    return Conversation(mode, turns, system)
+
+
+def eval_conversation(rng: random.Random, task: str, mode: str) -> Conversation:
+    """A held-out conversation for one task; the last turn is the one scored."""
+    if task == "multi_turn":
+        first = _draw(rng, SINGLE_TASKS[rng.choice(("add_2d", "add_2d", "sub_2d"))][1], False)
+        while first.value is None or first.value < 0:
+            first = _draw(rng, SINGLE_TASKS["add_2d"][1], False)
+        second = _draw(rng, lambda r: follow_up(r, int(first.value or 0), first.key), True)
+        return Conversation(mode, [first, second], scored=[1])
+    return Conversation(mode, [_draw(rng, SINGLE_TASKS[task][1], True)], scored=[0])
+
+
+def messages_for(conv: Conversation, upto: int | None = None, *, answered: bool = True) -> list[dict[str, str]]:
+    """History records (role, content, reasoning_content) of the first ``upto`` turns, as the
+    template renders them; with ``answered=False`` the last turn is only its question."""
+    turns = conv.turns if upto is None else conv.turns[:upto]
+    out: list[dict[str, str]] = []
+    if conv.system:
+        out.append({"role": "system", "content": conv.system})
+    for i, t in enumerate(turns):
+        out.append({"role": "user", "content": t.question})
+        if answered or i < len(turns) - 1:
+            rec = {"role": "assistant", "content": t.response}
+            if conv.mode != "off":
+                rec["reasoning_content"] = t.reasoning[conv.mode]
+            out.append(rec)
+    return out
+
+
+def thinking_of(mode: str) -> tuple[bool, str | None]:
+    """(thinking on?, effort) for a mode."""
+    return (False, None) if mode == "off" else (True, mode)
+
+
+def sample_prompts(seed: int, per_task: int) -> list[tuple[str, str, Conversation]]:
+    """Held-out (task, mode, conversation) triples in a fixed order, for files and tests."""
+    rng = random.Random(seed)
+    out = []
+    for task in EVAL_TASKS:
+        for mode in MODES:
+            for _ in range(per_task):
+                out.append((task, mode, eval_conversation(rng, task, mode)))
+    return out
+
+
+def task_names() -> Sequence[str]:
+    return EVAL_TASKS

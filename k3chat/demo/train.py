@@ -1,0 +1,340 @@
+"""Train the built-in demo model and write it as a Kimi K3 checkpoint.
+
+``k3chat train-demo --out DIR`` (needs ``pip install '.[train]'``): generates the training
+conversations (``tasks``), renders them with the app's XTML template, learns a BPE tokenizer
+on their text, trains the torch implementation of K3 (``k3engine.train.model``) with BF16
+and MXFP4 quantization-aware training, writes the checkpoint in the released layout (nested
+config, one shard per layer plus a model shard, an index, BF16 trunk, MXFP4 experts, the
+tokenizer), then records the greedy answers the trained torch model gives on held-out
+prompts (``prompts.jsonl``), which the tests compare with the C engine's.
+
+Everything is seeded; the same command gives the same files on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from k3engine.fixture import (LM, LayerTensors, ModelTensors, Preset, build_config, plan_shards,
+                              read_special_ids)
+from k3engine.tokenizer_files import learn_ranks_from, piece_counts, write_tokenizer
+from k3engine.writer import EXPERT_PARTS, bf16_tensor, f32_tensor, quantize_checked, u8_tensor, write_sharded
+
+from . import corpus, tasks
+
+# The demo's shape: K3's layer kinds at toy widths. Zero-based layers 0, 1, 3, 5 are KDA
+# (0 with the dense FFN), 2, 4, 6, 7 gated MLA (a trailing MLA pair as in the release);
+# AttnRes blocks of 3 give boundaries 0, 3, 6.
+DEMO_PRESET = Preset(
+    name="demo",
+    hidden_size=256,
+    num_hidden_layers=8,
+    kda_heads=4,
+    kda_head_dim=32,
+    conv_kernel=4,
+    gate_lower_bound=-5.0,
+    full_attn_layers=(3, 5, 7, 8),
+    kda_layers=(1, 2, 4, 6),
+    mla_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    num_experts=8,
+    num_experts_per_token=2,
+    num_shared_experts=2,
+    routed_expert_hidden_size=128,
+    moe_intermediate_size=64,
+    intermediate_size=512,
+    attn_res_block_size=3,
+    note="k3chat demo: 8 layers (KDA 0,1,3,5; MLA 2,4,6,7), 8 experts top-2 + 2 shared, trained",
+)
+N_RANKS = 1024
+BPE_SAMPLE = 6000
+PROMPT_SEED = 20261201
+PROMPTS_PER_TASK_MODE = 1        # 13 tasks x 4 modes = 52 recorded prompts
+MAX_NEW = 400
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _no_digit_merges(token: bytes) -> bool:
+    """Digits stay one token each (as many tokenizers do), so column arithmetic sees digits."""
+    return not any(0x30 <= b <= 0x39 for b in token)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def build_tokenizer(out: Path, seed: int) -> Any:
+    from k3chat.tokenizer import Tokenizer
+
+    rng = random.Random(seed ^ 0xB9E)
+    sample = [tasks.training_conversation(rng) for _ in range(BPE_SAMPLE)]
+    freq = piece_counts(t for c in sample for t in corpus.texts_of(c))
+    write_tokenizer(out, learn_ranks_from(freq, N_RANKS, allow=_no_digit_merges))
+    return Tokenizer.from_dir(out)
+
+
+def make_batches(seqs: list[tuple[list[int], list[bool]]], budget: int, rng: random.Random) -> list[list[int]]:
+    """Indices grouped by length so that padding stays small; at most ``budget`` padded tokens."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i][0]), i))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(seqs[i][0])
+        if cur and max(cur_max, n) * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(torch: Any, seqs: list[tuple[list[int], list[bool]]], idx: list[int], pad: int) -> tuple[Any, Any]:
+    t = max(len(seqs[i][0]) for i in idx)
+    ids = torch.full((len(idx), t), pad, dtype=torch.long)
+    target = torch.full((len(idx), t), -100, dtype=torch.long)
+    for r, i in enumerate(idx):
+        s, m = seqs[i]
+        ids[r, : len(s)] = torch.tensor(s)
+        tgt = [x if keep else -100 for x, keep in zip(s, m)]
+        target[r, : len(s) - 1] = torch.tensor(tgt[1:])     # position j predicts id j+1
+    return ids, target
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
+          threads: int, resume: bool) -> dict[str, Any]:
+    from k3engine.train import require_torch
+    from k3engine.train.model import K3Torch
+
+    torch = require_torch()
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tok = build_tokenizer(out, seed)
+    vocab = tok.vocab_size
+    _log(f"tokenizer: {tok.n_ranks} ranks + 256 specials ({time.time() - t0:.1f} s)")
+
+    rng = random.Random(seed)
+    convs = [tasks.training_conversation(rng) for _ in range(conversations)]
+    seqs = [corpus.encode_conversation(c, tok) for c in convs]
+    n_tok = sum(len(s) for s, _ in seqs)
+    n_trained = sum(sum(m) for _, m in seqs)
+    _log(f"data: {len(seqs):,} conversations, {n_tok:,} tokens ({n_trained:,} trained) "
+         f"({time.time() - t0:.1f} s)")
+    pad = tok.special_id("[PAD]")
+
+    model = K3Torch(DEMO_PRESET, vocab, seed=seed)
+    decay, plain = [], []
+    for name, p in model.named_weights():
+        if name.endswith("e_score_correction_bias"):
+            p.requires_grad_(False)          # moved by load balancing, not by gradients
+        elif p.ndim >= 2 and "conv1d" not in name:
+            decay.append(p)
+        else:
+            plain.append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    state_path = out / "train_state.pt"
+    start_step, history = 0, []
+    if resume and state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start_step, history = st["step"], st["history"]
+        _log(f"resumed at step {start_step}")
+
+    batch_rng = random.Random(seed + 1)
+    batches: list[list[int]] = []
+    while len(batches) < steps:
+        batches += make_batches(seqs, batch_tokens, batch_rng)
+    warmup = min(100, steps // 10)
+    bias_names = model.router_bias_names()
+    t_train = time.time()
+    for step in range(start_step, steps):
+        frac = step / max(1, steps - 1)
+        cur_lr = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = cur_lr
+        ids, target = collate(torch, seqs, batches[step], pad)
+        loads: list[Any] = []
+        logits = model(ids, loads)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():                # auxiliary-loss-free balancing (noaux_tc)
+            for name, load in zip(bias_names, loads):
+                f = load.float() / load.sum()
+                model.w(name).add_(1e-3 * torch.sign(f.mean() - f))
+        history.append(float(loss.detach()))
+        if step % 20 == 0 or step == steps - 1:
+            el = time.time() - t_train
+            recent = sum(history[-20:]) / len(history[-20:])
+            _log(f"step {step:5d}/{steps} loss {recent:.4f} lr {cur_lr:.2e} {el:7.0f} s "
+                 f"({(step + 1 - start_step) / max(el, 1e-9):.2f} step/s)")
+        if (step + 1) % 100 == 0 or step == steps - 1:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "history": history}, state_path)
+    train_seconds = time.time() - t_train
+    export(model, out, seed)
+    meta = {
+        "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
+        "lr": lr, "threads": threads, "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.time() - t0, 1), "tokens": n_tok, "trained_tokens": n_trained,
+        "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
+        "loss_every_50": [round(sum(history[i:i + 50]) / len(history[i:i + 50]), 4)
+                          for i in range(0, len(history), 50)],
+        "preset": DEMO_PRESET.note, "torch": torch.__version__,
+        "parameters": sum(int(x.numel()) for x in model.parameters()),
+    }
+    (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export(model: Any, out: Path, seed: int) -> None:
+    """Write the trained weights as a K3 checkpoint: BF16/F32 trunk as stored, MXFP4 experts."""
+    import torch
+
+    p = model.p
+    vocab = model.vocab_size
+    values = {name: model.weight(name).detach().to(torch.float32).numpy() for name in model.names}
+
+    def tensor(name: str) -> Any:
+        v = values[name]
+        return bf16_tensor(name, v) if model.storage[name] == "bf16" else f32_tensor(name, v)
+
+    model_level = [tensor(LM + "embed_tokens.weight"), tensor("language_model.lm_head.weight"),
+                   tensor(LM + "norm.weight"), tensor(LM + "output_attn_res_norm.weight"),
+                   tensor(LM + "output_attn_res_proj.weight")]
+    layers = []
+    for layer in range(p.num_hidden_layers):
+        base = f"{LM}layers.{layer}."
+        trunk = [tensor(n) for n in model.names if n.startswith(base) and model.storage[n] != "mxfp4"]
+        lt = LayerTensors(trunk)
+        if p.is_moe(layer):
+            stacked = {part: model.w(f"{base}block_sparse_moe.experts.{part}").detach().double().numpy()
+                       for part in ("w1", "w2", "w3")}
+            for e in range(p.num_experts):
+                prefix = f"{base}block_sparse_moe.experts.{e}"
+                parts = {}
+                for part in ("w1", "w2", "w3"):
+                    packed, scales = quantize_checked(f"{prefix}.{part}", stacked[part][e])
+                    parts[f"{part}.weight_packed"] = u8_tensor(f"{prefix}.{part}.weight_packed", packed)
+                    parts[f"{part}.weight_scale"] = u8_tensor(f"{prefix}.{part}.weight_scale", scales)
+                lt.experts[e] = [parts[k] for k in EXPERT_PARTS]
+        layers.append(lt)
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    write_sharded(out, plan_shards(ModelTensors(layers, model_level), seed, scrambled=False), {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(build_config(p, vocab, read_special_ids(out)), indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- recording
+
+
+def torch_greedy(model: Any, prompt: list[int], end_ids: frozenset[int], max_new: int = MAX_NEW) -> list[int]:
+    """Greedy continuation by full recompute (no cache), stopping after an end id."""
+    import torch
+
+    ids = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids]))[0, -1]
+            nxt = int(torch.argmax(logits))
+            out.append(nxt)
+            if nxt in end_ids:
+                break
+            ids.append(nxt)
+    return out
+
+
+def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMPTS_PER_TASK_MODE) -> int:
+    """Greedy answers of the exported checkpoint, computed by torch in float64."""
+    from k3engine.train import require_torch
+    from k3engine.train.model import K3Torch
+    from k3chat.template import Grammar, MalformedTurn
+    from k3chat.tokenizer import Tokenizer
+
+    torch = require_torch()
+    tok = Tokenizer.from_dir(model_dir)
+    model = K3Torch(DEMO_PRESET, tok.vocab_size, dtype=torch.float64)
+    model.quantize = False
+    model.load_checkpoint(model_dir)
+    grammar = Grammar(tok)
+    rows = []
+    for task, mode, conv in tasks.sample_prompts(seed, per):
+        turn = conv.scored[-1]
+        prompt = corpus.prompt_ids(conv, turn, tok)
+        gen = torch_greedy(model, prompt, tok.end_ids)
+        thinking, _ = tasks.thinking_of(mode)
+        try:
+            parsed = grammar.parse_strict(gen, thinking)
+            reasoning, answer, ok = parsed.reasoning, parsed.content, True
+        except MalformedTurn:
+            reasoning, answer, ok = None, tok.decode([i for i in gen if not tok.is_special(i)]), False
+        t = conv.turns[turn]
+        rows.append({"task": task, "mode": mode,
+                     "messages": tasks.messages_for(conv, turn + 1, answered=False),
+                     "prompt_ids": prompt, "greedy_ids": gen, "well_formed": ok,
+                     "reasoning": reasoning, "answer": answer, "accept": list(t.accept),
+                     "extract": t.extract, "correct": ok and tasks.is_correct(t, answer)})
+        _log(f"recorded {task}/{mode}: {'ok' if rows[-1]['correct'] else 'WRONG'} {answer[:60]!r}")
+    with open(model_dir / "prompts.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="k3chat train-demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="checkpoint directory to write")
+    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conversations", type=int, default=60000)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
+    ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
+    args = ap.parse_args(list(argv))
+    out = Path(args.out)
+    if not args.record_only:
+        meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
+                     batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume)
+        _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
+    n = record_prompts(out)
+    _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""The training tool's torch model is a second implementation of the K3 forward pass.
+
+Before it trains anything it must agree with the float64 numpy oracle and the C engine on
+the same random weights (the adversarial tiny fixture, spec 9.2), its chunked KDA must agree
+with the naive recurrence, its MXFP4 fake quantization must be the codec's, and what it
+exports must be what it computed. torch is an optional extra (`pip install '.[train]'`):
+without it these tests are skipped, with that reason in the summary.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[train]' runs these tests")
+
+from k3engine import mxfp4  # noqa: E402
+from k3engine.fixture import PRESETS  # noqa: E402
+from k3engine.model import Model  # noqa: E402
+from k3engine.oracle import Oracle  # noqa: E402
+from k3engine.train import kda  # noqa: E402
+from k3engine.train.model import K3Torch, mxfp4_values  # noqa: E402
+
+TOL = 5e-5  # spec 9.3 G6: max |l - l_oracle| <= 5e-5 max(1, max |l_oracle|) per position
+
+
+def _vocab(model_dir: Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+
+
+def _loaded(model_dir: Path, dtype: object) -> K3Torch:
+    m = K3Torch(PRESETS["tiny"], _vocab(model_dir), dtype=dtype)
+    m.quantize = False
+    m.load_checkpoint(model_dir)
+    return m
+
+
+def _rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    scale = np.maximum(1.0, np.abs(ref).max(axis=-1))
+    return float((np.abs(a - ref).max(axis=-1) / scale).max())
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_logits_match_the_oracle_and_the_engine_on_random_weights(tiny_dir: Path,
+                                                                        tiny_oracle: dict, dtype: str) -> None:
+    ids = [int(i) for i in tiny_oracle["full_ids"]]
+    m = _loaded(tiny_dir, getattr(torch, dtype))
+    with torch.no_grad():
+        ours = m(torch.tensor([ids]))[0].double().numpy()
+    oracle = Oracle(tiny_dir).forward(ids)
+    engine = Model(tiny_dir).forward(ids)
+    assert _rel_err(ours, oracle) <= TOL
+    assert _rel_err(ours, engine) <= TOL
+    assert np.array_equal(ours.argmax(-1), oracle.argmax(-1))
+    # and it can fail: one AttnRes weight off by a little moves the logits past the tolerance
+    name = "language_model.model.layers.4.mlp_res_norm.weight"
+    with torch.no_grad():
+        m.w(name).mul_(1.05)
+        moved = m(torch.tensor([ids]))[0].double().numpy()
+    assert _rel_err(moved, oracle) > TOL
+
+
+def _kda_inputs(seed: int, b: int, h: int, t: int, d: int, strong: bool) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    q = torch.nn.functional.normalize(torch.randn(b, h, t, d, dtype=f64, generator=g), dim=-1) * d ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(b, h, t, d, dtype=f64, generator=g), dim=-1)
+    v = torch.randn(b, h, t, d, dtype=f64, generator=g)
+    low = -5.0 if strong else -0.5
+    gate = low * torch.rand(b, h, t, d, dtype=f64, generator=g)   # log decay in (g_min, 0)
+    beta = torch.rand(b, h, t, dtype=f64, generator=g)
+    return q, k, v, gate, beta
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 16])
+@pytest.mark.parametrize("strong", [False, True])
+def test_chunked_kda_equals_the_naive_recurrence(chunk: int, strong: bool) -> None:
+    q, k, v, g, beta = _kda_inputs(chunk, 2, 3, 37, 16, strong)
+    o_ref, s_ref = kda.naive(q, k, v, g, beta)
+    o, s = kda.chunked(q, k, v, g, beta, chunk=chunk)
+    assert torch.allclose(o, o_ref, atol=1e-10, rtol=1e-10)
+    assert torch.allclose(s, s_ref, atol=1e-10, rtol=1e-10)
+    # a carried state: two halves equal one pass
+    o1, s1 = kda.chunked(q[:, :, :20], k[:, :, :20], v[:, :, :20], g[:, :, :20], beta[:, :, :20], chunk=chunk)
+    o2, s2 = kda.chunked(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], g[:, :, 20:], beta[:, :, 20:], chunk=chunk,
+                         state=s1)
+    assert torch.allclose(torch.cat([o1, o2], dim=2), o_ref, atol=1e-10)
+    assert torch.allclose(s2, s_ref, atol=1e-10)
+
+
+def test_chunked_kda_reads_the_updated_state_and_decays_first() -> None:
+    """The naive reference itself: against a hand-written recurrence (spec 5.4 step 6)."""
+    q, k, v, g, beta = _kda_inputs(5, 1, 1, 6, 4, True)
+    s = np.zeros((4, 4))
+    outs = []
+    for t in range(6):
+        s = np.exp(g[0, 0, t].numpy())[:, None] * s
+        u = s.T @ k[0, 0, t].numpy()
+        s = s + np.outer(k[0, 0, t].numpy(), beta[0, 0, t].item() * (v[0, 0, t].numpy() - u))
+        outs.append(s.T @ q[0, 0, t].numpy())
+    o, _ = kda.chunked(q, k, v, g, beta, chunk=4)
+    assert np.allclose(o[0, 0].numpy(), np.array(outs), atol=1e-12)
+
+
+def test_mxfp4_fake_quantization_is_the_codec() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 96)) * np.exp(rng.uniform(-6, 3, size=(48, 1)))
+    w[0, :32] = 0.0                                   # an all-zero group
+    w[1, :32] = np.linspace(-6, 6, 32) * 2.0 ** -3    # values on code midpoints after scaling
+    w[2, 5] = 0.75 * 2.0 ** -2                        # a tie between 0.5 and 1.0 steps
+    w = w.astype(np.float32).astype(np.float64)
+    packed, scales = mxfp4.quantize(w)
+    want, _ = mxfp4.decode(packed, scales)
+    got = mxfp4_values(torch.tensor(w)).numpy()
+    assert np.array_equal(got, want)
+
+
+def test_exported_checkpoint_is_what_the_torch_model_computed(tmp_path: Path) -> None:
+    """Quantization-aware forward (BF16 trunk, MXFP4 experts) == the C engine on the export."""
+    from k3chat.demo.train import DEMO_PRESET, export
+    from k3engine.tokenizer_files import write_fixture_tokenizer
+
+    vocab = write_fixture_tokenizer(tmp_path)
+    m = K3Torch(DEMO_PRESET, vocab, seed=3)
+    with torch.no_grad():                              # larger than the init, so routing matters
+        for name, p in m.named_weights():
+            if p.ndim >= 2:
+                p.mul_(4.0)
+    export(m, tmp_path, seed=3)
+    ids = list(range(5, 45))
+    with torch.no_grad():
+        ours = m(torch.tensor([ids]))[0].double().numpy()
+    engine = Model(tmp_path).forward(ids)
+    assert _rel_err(engine, ours) <= TOL
+    reloaded = K3Torch(DEMO_PRESET, vocab)
+    reloaded.quantize = False
+    reloaded.load_checkpoint(tmp_path)
+    with torch.no_grad():
+        again = reloaded(torch.tensor([ids]))[0].double().numpy()
+    assert np.array_equal(again, ours)                 # the stored values are exactly the trained ones
