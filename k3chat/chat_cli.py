@@ -118,7 +118,7 @@ def default_model_dir() -> Path | int:
     except _Usage as exc:
         return usage_error(str(exc))
     if s.model is None:
-        return usage_error("MODEL_DIR is required (or set `model` in config.toml)")
+        return usage_error("MODEL_DIR is required (or --demo, or set `model` in config.toml)")
     return Path(s.model)
 
 
@@ -136,7 +136,7 @@ def _run_settings(args: argparse.Namespace) -> Any:
     }
     s = _settings(overrides)
     if s.model is None:
-        raise _Usage("MODEL_DIR is required (or set `model` in config.toml)")
+        raise _Usage("MODEL_DIR is required (or --demo, or set `model` in config.toml)")
     return s
 
 

@@ -52,6 +52,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="one-shot generation: a chat turn (--prompt) or raw ids (--ids)")
     r.add_argument("model_dir", nargs="?", default=None,
                    help="checkpoint directory (config.json, shards, index); default: `model` in config.toml")
+    r.add_argument("--demo", action="store_true", help="use the built-in demo model")
     what = r.add_mutually_exclusive_group(required=True)
     what.add_argument("--ids", type=_ids, help="prompt as comma-separated token ids (no tokenizer, no chat format)")
     what.add_argument("--prompt", help="a chat message; the answer is saved to the session")
@@ -108,7 +109,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("model_dir", nargs="?", default=None,
                    help="checkpoint directory; default: `model` in config.toml")
     c.add_argument("--demo", action="store_true",
-                   help="chat with the built-in tiny demo model (random weights; written once to the cache)")
+                   help="chat with the built-in demo model (also the default when no model is configured)")
     c.add_argument("--session", metavar="NAME", help="resume this session (id or name); a new name starts one")
     c.add_argument("--memory", metavar="X", default=None,
                    help="memory budget: 12G, a preset (small, medium, large, huge), auto, or all; "
@@ -117,7 +118,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                        help="reasoning effort (default max, or config.toml)")
     think.add_argument("--no-think", action="store_true", help="answer without reasoning")
-    c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096; 256 with --demo)")
+    c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sessions(sub)
     _add_chat(sub)
     helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
+             "eval-demo": "score the built-in demo model on held-out questions (C engine)",
+             "train-demo": "retrain the built-in demo model (needs pip install '.[train]')",
              "plan": "print the memory plan for a model and budget, before loading anything",
              "doctor": "this machine: CPU, memory, disk and its direct-I/O read bandwidth",
              "bench": "measure streaming speed on a checkpoint with the real expert size"}
@@ -143,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat_cli import run_chat, usage_error
+    if args.demo:
+        if args.model_dir is not None:
+            return usage_error("give MODEL_DIR or --demo, not both")
+        from .demo import model_dir as demo_model_dir
+        args.model_dir = str(demo_model_dir())
     if args.ids is None:
         return run_chat(args)
     chat_only = {"--system": args.system, "--session": args.session, "--temperature": args.temperature,
@@ -169,9 +177,6 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return sessions_main(args)
 
 
-DEMO_MAX_TOKENS = 256  # the demo model never ends its turn: keep its answers short
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_cli import usage_error
     from .settings import SettingsError, load_settings, merge_cli
@@ -183,14 +188,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "memory": args.memory,
         "effort": args.thinking_effort,
         "thinking": False if args.no_think else (True if args.thinking_effort else None),
-        "max_tokens": args.max_tokens if args.max_tokens is not None else (DEMO_MAX_TOKENS if args.demo else None),
+        "max_tokens": args.max_tokens,
     }
     try:
         settings = merge_cli(load_settings(), overrides)
     except SettingsError as exc:
         return usage_error(str(exc))
-    if not args.demo and settings.model is None:
-        return usage_error("MODEL_DIR is required (or --demo, or set `model` in config.toml)")
+    if settings.model is None:
+        args.demo = True  # nothing configured: the built-in demo model
     from .app import AppUsageError, build_app
     from .history import HistoryError
     from .paths import UnsafePathError
@@ -216,7 +221,8 @@ COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat}
 def _passthrough() -> dict[str, str]:
     """Subcommands with their own parsers: name -> 'module:function' taking argv."""
     return {"fixture": "k3engine.fixture:main", "plan": "k3engine.planner:main_plan",
-            "doctor": "k3engine.doctor:main_doctor", "bench": "k3engine.bench:main_bench"}
+            "doctor": "k3engine.doctor:main_doctor", "bench": "k3engine.bench:main_bench",
+            "eval-demo": "k3chat.demo.evaluate:main", "train-demo": "k3chat.demo.train:main"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

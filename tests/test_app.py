@@ -635,24 +635,11 @@ def test_sighup_stores_the_partial_answer_and_exits(home: Path, tiny_dir: Path, 
     assert records[1]["interrupted"] is True and "hang on hang" in records[1]["reasoning_content"]
 
 
-def test_demo_model_written_once(home: Path) -> None:
-    from k3chat.app.engine import DEMO_DIR_NAME, demo_cache_dir, ensure_demo_model
-
-    lines: list[str] = []
-    first = ensure_demo_model(lines.append)
-    assert first == demo_cache_dir() / DEMO_DIR_NAME and first.parent == home / "cache"
-    assert any("Writing" in line for line in lines) and (first / "config.json").is_file()
-    lines.clear()
-    assert ensure_demo_model(lines.append) == first
-    assert lines and "found" in lines[0]
-
-
 def test_cli_chat_usage_errors(home: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from k3chat.cli import main
 
-    assert main(["chat"]) == 2
-    assert "MODEL_DIR is required" in capsys.readouterr().err
     assert main(["chat", "--demo", str(tiny_dir)]) == 2
+    assert "not both" in capsys.readouterr().err
     store = HistoryStore()
     store.create("twin")
     store.create("twin")

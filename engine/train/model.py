@@ -63,11 +63,16 @@ def attn_res(sources: list[Tensor], w_norm: Tensor, w_proj: Tensor) -> Tensor:
     return (p[..., None] * v).sum(0)
 
 
-def causal_conv_silu(x: Tensor, w: Tensor) -> Tensor:
-    """Depthwise causal conv, w [P, 1, K] with w[:, 0, K-1] on the newest input, then SiLU."""
+def causal_conv_silu(x: Tensor, w: Tensor, history: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv, w [P, 1, K] with w[:, 0, K-1] on the newest input, then SiLU.
+    ``history`` [B, K-1, P] holds the pre-conv inputs before x (zeros at the start); returns
+    (output, the new history)."""
     k = w.shape[-1]
-    y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), w, groups=w.shape[0])
-    return F.silu(y.transpose(1, 2))
+    if history is None:
+        history = x.new_zeros(x.shape[0], k - 1, x.shape[2])
+    full = torch.cat([history, x], dim=1)
+    y = F.conv1d(full.transpose(1, 2), w, groups=w.shape[0])
+    return F.silu(y.transpose(1, 2)), full[:, full.shape[1] - (k - 1):]
 
 
 def bf16_ste(w: Tensor) -> Tensor:
@@ -202,27 +207,34 @@ class K3Torch(nn.Module):
         return [n for n in self.names if n.endswith("gate.e_score_correction_bias")]
 
     # ---- sublayers ----------------------------------------------------------------
-    def _kda(self, layer: int, x: Tensor) -> Tensor:
+    def _kda(self, layer: int, x: Tensor, cache: dict | None = None) -> Tensor:
         p = self.p
         w = lambda s: self.weight(f"{LM}layers.{layer}.self_attn.{s}")  # noqa: E731
         b, t, _ = x.shape
         H, D = p.kda_heads, p.kda_head_dim
         heads = lambda y: y.reshape(b, t, H, D).transpose(1, 2)          # noqa: E731 [b,H,t,D]
-        q = heads(causal_conv_silu(x @ w("q_proj.weight").T, w("q_conv1d.weight")))
-        k = heads(causal_conv_silu(x @ w("k_proj.weight").T, w("k_conv1d.weight")))
-        v = heads(causal_conv_silu(x @ w("v_proj.weight").T, w("v_conv1d.weight")))
+        st = cache.setdefault(layer, {}) if cache is not None else {}
+        conv = {}
+        for name in "qkv":
+            conv[name], hist = causal_conv_silu(x @ w(f"{name}_proj.weight").T, w(f"{name}_conv1d.weight"),
+                                                st.get(name))
+            if cache is not None:
+                st[name] = hist
+        q, k, v = heads(conv["q"]), heads(conv["k"]), heads(conv["v"])
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS) * D ** -0.5
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
         beta = torch.sigmoid(x @ w("b_proj.weight").T).transpose(1, 2)   # [b,H,t]
         z = (x @ w("f_a_proj.weight").T) @ w("f_b_proj.weight").T + w("dt_bias").reshape(-1)
         a = torch.exp(w("A_log").reshape(-1)[:H])[None, :, None, None]
         g = p.gate_lower_bound * torch.sigmoid(a * heads(z))               # log alpha
-        o, _ = kda.chunked(q, k, v, g, beta, chunk=self.chunk)
+        o, state = kda.chunked(q, k, v, g, beta, chunk=self.chunk, state=st.get("S"))
+        if cache is not None:
+            st["S"] = state
         gate = torch.sigmoid(heads(x @ w("g_proj.weight").T))
         y = rmsnorm(o, w("o_norm.weight").reshape(-1), FIXED_EPS) * gate
         return y.transpose(1, 2).reshape(b, t, H * D) @ w("o_proj.weight").T
 
-    def _mla(self, layer: int, x: Tensor) -> Tensor:
+    def _mla(self, layer: int, x: Tensor, cache: dict | None = None) -> Tensor:
         p = self.p
         w = lambda s: self.weight(f"{LM}layers.{layer}.self_attn.{s}")  # noqa: E731
         b, t, _ = x.shape
@@ -234,7 +246,17 @@ class K3Torch(nn.Module):
         k_rope = c[..., p.kv_lora_rank: p.kv_lora_rank + dr]
         kv = (c_hat @ w("kv_b_proj.weight").T).reshape(b, t, H, dn + dv).transpose(1, 2)
         key = torch.cat([kv[..., :dn], k_rope[:, None].expand(b, H, t, dr)], dim=-1)
-        o = F.scaled_dot_product_attention(q, key, kv[..., dn:], is_causal=True,
+        value = kv[..., dn:]
+        mask = None
+        if cache is not None:                       # keys and values of earlier positions
+            st = cache.setdefault(layer, {})
+            if "key" in st:
+                key = torch.cat([st["key"], key], dim=2)
+                value = torch.cat([st["value"], value], dim=2)
+            st["key"], st["value"] = key, value
+            past = key.shape[2] - t
+            mask = torch.ones(t, key.shape[2], dtype=torch.bool).tril(past)
+        o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=mask is None,
                                            scale=(dn + dr) ** -0.5)
         gate = torch.sigmoid(x @ w("g_proj.weight").T)
         return (gate * o.transpose(1, 2).reshape(b, t, H * dv)) @ w("o_proj.weight").T
@@ -280,9 +302,11 @@ class K3Torch(nn.Module):
                    self.p.situ_beta, self.p.situ_linear_beta)
 
     # ---- the whole model ------------------------------------------------------------
-    def forward(self, ids: Tensor, loads: list[Tensor] | None = None) -> Tensor:
-        """Logits [B, T, V] for ids [B, T] from a fresh state. ``loads`` collects the routed
-        expert counts of every MoE layer (for the bias balancing of the trainer)."""
+    def forward(self, ids: Tensor, loads: list[Tensor] | None = None, cache: dict | None = None) -> Tensor:
+        """Logits [B, T, V] for ids [B, T]: from a fresh state, or after what ``cache`` holds
+        (a dict this call fills: KDA state and conv history, MLA keys and values), which is
+        how greedy decoding runs one token at a time. ``loads`` collects the routed expert
+        counts of every MoE layer (for the bias balancing of the trainer)."""
         p = self.p
         r = lambda layer, s: self.weight(f"{LM}layers.{layer}.{s}")  # noqa: E731
         h = F.embedding(ids, self.weight(LM + "embed_tokens.weight"))
@@ -295,7 +319,7 @@ class K3Torch(nn.Module):
                 blocks.append(h)
                 prefix = None
             xn = rmsnorm(x, r(layer, "input_layernorm.weight"), p.rms_norm_eps)
-            a = self._mla(layer, xn) if p.is_mla(layer) else self._kda(layer, xn)
+            a = self._mla(layer, xn, cache) if p.is_mla(layer) else self._kda(layer, xn, cache)
             prefix = a if prefix is None else prefix + a
             x = attn_res(blocks + [prefix], r(layer, "mlp_res_norm.weight"), r(layer, "mlp_res_proj.weight"))
             xn = rmsnorm(x, r(layer, "post_attention_layernorm.weight"), p.rms_norm_eps)

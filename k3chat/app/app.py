@@ -38,9 +38,12 @@ from textual.widgets import Input, TextArea
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
 from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo
+from k3chat.demo import DISPLAY_NAME as DEMO_NAME
+from k3chat.demo import banner as demo_banner
+from k3chat.demo import model_dir as demo_model_dir
 from k3chat.settings import Settings
 
-from .engine import Engine, EngineFactory, EngineOpenError, ensure_demo_model, open_engine, plan_summary
+from .engine import Engine, EngineFactory, EngineOpenError, open_engine, plan_summary
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen
 from .screens.help import HelpScreen
@@ -260,13 +263,10 @@ class K3ChatApp(App[int]):
 
     def _load(self) -> None:
         try:
-            model_dir = self.model_dir
+            assert self.model_dir is not None
+            engine = self.engine_factory(Path(self.model_dir), self.settings, self._progress)
             if self.demo:
-                model_dir = ensure_demo_model(self._progress)
-            assert model_dir is not None
-            engine = self.engine_factory(Path(model_dir), self.settings, self._progress)
-            if self.demo:
-                engine.name = "demo: tiny, random weights"
+                engine.name = DEMO_NAME
         except EngineOpenError as exc:
             self._ui(self._load_failed, str(exc), EXIT_USAGE if exc.usage else EXIT_RUNTIME)
             return
@@ -291,8 +291,7 @@ class K3ChatApp(App[int]):
         chat.status.set_phase("ready")
         chat.set_title(self.session.name if self.session else self.pending_name, engine.name)
         if self.demo:
-            chat.show_notice("Demo model: tiny and untrained, it babbles (and never ends its turn by itself). "
-                             "Everything else is the real app.")
+            chat.show_notice(demo_banner(engine.model_dir))
         return True
 
     async def _load_failed(self, message: str, code: int) -> None:
@@ -900,6 +899,8 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
     replaces the way the model is opened (tests); the default plans ``memory`` and opens it."""
     if model_dir is None and not demo:
         raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
+    if demo:
+        model_dir = demo_model_dir()
     if engine_factory is None:
         engine_factory = partial(_default_factory, memory=memory or ("all" if demo else None), threads=threads,
                                  context=context)

@@ -9,7 +9,6 @@ Tests pass their own factory (an already open model, a scripted sampler).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +18,6 @@ from k3chat import paths
 from k3chat.settings import Settings
 
 Progress = Callable[[str], None]
-
-DEMO_PRESET = "tiny"
-DEMO_DIR_NAME = "demo-tiny-v1"
-
 
 class EngineOpenError(Exception):
     """The model could not be opened; the message is for the user. ``usage`` is True when the
@@ -108,53 +103,3 @@ def open_engine(model_dir: Path, settings: Settings, progress: Progress, *, memo
     planned = opened.plan.context if opened.plan is not None else context
     return Engine(model=opened.model, tokenizer=tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,
                   plan=opened.plan, memory=memory, context=planned)
-
-
-# --------------------------------------------------------------------------- the demo model
-
-
-def demo_cache_dir() -> Path:
-    """Where the demo model is cached: ``$K3CHAT_HOME/cache``, else the platform cache dir."""
-    home = os.environ.get(paths.HOME_ENV)
-    if home:
-        return Path(home).expanduser() / "cache"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir(paths.APP_NAME, appauthor=False))
-
-
-def _complete(model_dir: Path) -> bool:
-    return (model_dir / "config.json").is_file() and (model_dir / "tokenizer_config.json").is_file() and any(
-        model_dir.glob("*.safetensors"))
-
-
-def ensure_demo_model(progress: Progress, cache: Path | None = None) -> Path:
-    """The built-in tiny demo model, written once into the cache (random weights: it babbles)."""
-    from k3engine.fixture import write_fixture
-
-    root = cache or demo_cache_dir()
-    target = root / DEMO_DIR_NAME
-    if _complete(target):
-        progress(f"Demo model found in {target}")
-        return target
-    progress(f"Writing the demo model (preset {DEMO_PRESET!r}, a few MB) to {target}")
-    root.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # ours, and incomplete: write_fixture renames into place, so this is rare
-        shutil.rmtree(target)
-    try:
-        write_fixture(DEMO_PRESET, target, with_oracle=False)
-    except FileExistsError:
-        if not _complete(target):  # another k3chat wrote it at the same time, or not
-            raise
-    progress("Demo model written")
-    return target
-
-
-def demo_factory(settings: Settings, progress: Progress, **options: Any) -> Engine:
-    """Write (once) and open the demo model, with every weight resident."""
-    model_dir = ensure_demo_model(progress)
-    if not options.get("memory"):
-        options["memory"] = "all"  # tiny: everything fits; --memory still plans it if given
-    engine = open_engine(model_dir, settings, progress, **options)
-    engine.name = "demo (tiny, random weights)"
-    return engine

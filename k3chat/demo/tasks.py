@@ -71,7 +71,7 @@ house garden window door table chair kitchen pillow blanket carpet mirror
 river ocean island forest meadow valley mountain desert canyon lake pond
 tiger lion zebra horse rabbit monkey turtle parrot eagle falcon dolphin whale shark
 spider beetle butterfly kitten puppy donkey camel giraffe penguin squirrel
-pencil paper letter button bottle basket bucket candle hammer ladder needle rubber
+pencil paper button bottle basket bucket candle hammer ladder needle rubber
 yellow purple silver golden orange violet
 music guitar piano violin trumpet drum flute rhythm melody
 winter summer spring autumn morning evening midnight tomorrow yesterday
@@ -82,7 +82,7 @@ coffee cotton copper pocket rocket jacket ticket bubble puzzle riddle
 school market office station library museum theater hospital castle bridge
 computer keyboard printer network signal battery cable engine wheel
 mississippi banana committee balloon coffee bookkeeper assessment parallel
-letter bottle tomorrow success address illness recess occurrence
+bottle tomorrow success address illness recess occurrence
 """.split())
 WORDS = tuple(dict.fromkeys(WORDS))  # unique, in a fixed order
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -90,10 +90,23 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _ADJ = ("quick", "brown", "lazy", "small", "bright", "quiet", "happy", "old", "new", "red", "blue",
         "green", "tiny", "big", "cold", "warm", "soft", "loud", "calm", "wild")
 _NOUN = ("fox", "dog", "cat", "bird", "river", "tree", "house", "car", "book", "child", "teacher",
-         "farmer", "ship", "train", "moon", "garden", "city", "road", "song", "letter", "cup", "lamp")
+         "farmer", "ship", "train", "moon", "garden", "city", "road", "song", "cup", "lamp")
 _VERB = ("jumps over", "runs past", "looks at", "sings to", "waits for", "walks by", "finds",
          "follows", "sees", "likes", "paints", "reads", "carries", "watches", "hears")
 _ADV = ("today", "again", "slowly", "at night", "in the morning", "every day", "quietly", "now")
+
+
+def puzzle_words() -> frozenset[str]:
+    """Every word a puzzle is about: spelled, counted in, reversed or repeated."""
+    words = set(WORDS)
+    for group in (_ADJ, _NOUN, _VERB, _ADV):
+        for phrase in group:
+            words.update(phrase.split())
+    return frozenset(words - _FUNCTION_WORDS)
+
+
+# Short words of the sentences that are also everyday scaffolding ("the", "in"): whole ids.
+_FUNCTION_WORDS = frozenset("the a my is and in at to by for over past every day night now again".split())
 
 
 def _sentence(rng: random.Random) -> str:
@@ -314,7 +327,7 @@ def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 # ------------------------------------------------------------------------------ words
 
 _COUNT_Q = ("How many {c}'s are in {w}?", "How many times does the letter {c} appear in {w}?",
-            "Count the {c}'s in {w}.", "How many {c}s are there in the word {w}?",
+            "Count the {c}'s in {w}.", "How many times is {c} in the word {w}?",
             "In the word {w}, how many {c}'s are there?", "how many {c} in {w}?")
 
 

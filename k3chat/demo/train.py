@@ -19,6 +19,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from k3engine.fixture import (LM, LayerTensors, ModelTensors, Preset, build_config, plan_shards,
                               read_special_ids)
-from k3engine.tokenizer_files import learn_ranks_from, piece_counts, write_tokenizer
+from k3engine.tokenizer_files import piece_counts, write_tokenizer
 from k3engine.writer import EXPERT_PARTS, bf16_tensor, f32_tensor, quantize_checked, u8_tensor, write_sharded
 
 from . import corpus, tasks
@@ -60,6 +61,7 @@ DEMO_PRESET = Preset(
     note="k3chat demo: 8 layers (KDA 0,1,3,5; MLA 2,4,6,7), 8 experts top-2 + 2 shared, trained",
 )
 N_RANKS = 1024
+MIN_PIECE_COUNT = 5
 BPE_SAMPLE = 6000
 PROMPT_SEED = 20261201
 PROMPTS_PER_TASK_MODE = 1        # 13 tasks x 4 modes = 52 recorded prompts
@@ -70,9 +72,36 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _no_digit_merges(token: bytes) -> bool:
-    """Digits stay one token each (as many tokenizers do), so column arithmetic sees digits."""
-    return not any(0x30 <= b <= 0x39 for b in token)
+def _is_puzzle_piece(piece: bytes) -> bool:
+    """Digits and the words the puzzles are about (the words to spell, count in, reverse or
+    repeat): these stay one digit or letter per token."""
+    text = piece.decode("utf-8", errors="replace")
+    if any(c.isdigit() for c in text):
+        return True
+    word = text.strip().lower()
+    return word.isalpha() and word in tasks.puzzle_words()
+
+
+def learn_vocabulary(freq: Counter[bytes], n_ranks: int, min_count: int = MIN_PIECE_COUNT) -> dict[bytes, int]:
+    """tiktoken ranks for the demo: the 256 bytes, then the whole pieces of the training text
+    (K3's pre-tokenizer cuts them) seen at least ``min_count`` times, most frequent first, at
+    most ``n_ranks`` in all.
+
+    BPE emits a piece that is itself a token directly, so the scaffolding of the reasoning
+    ("Write", " carry", "`thinking") costs one id per piece. Puzzle pieces are never ranks:
+    BPE then builds them from bytes (merging only pairs that are themselves pieces, like the
+    spelled " a"), so a word reads as its letters and spelling it is copying, which a model
+    this small learns from a few thousand examples; a whole-word id would have to be
+    memorised word by word."""
+    ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
+    for piece, count in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(ranks) >= n_ranks:
+            break
+        if count < min_count:
+            break
+        if len(piece) > 1 and piece not in ranks and not _is_puzzle_piece(piece):
+            ranks[piece] = len(ranks)
+    return ranks
 
 
 # ------------------------------------------------------------------------------ data
@@ -84,7 +113,7 @@ def build_tokenizer(out: Path, seed: int) -> Any:
     rng = random.Random(seed ^ 0xB9E)
     sample = [tasks.training_conversation(rng) for _ in range(BPE_SAMPLE)]
     freq = piece_counts(t for c in sample for t in corpus.texts_of(c))
-    write_tokenizer(out, learn_ranks_from(freq, N_RANKS, allow=_no_digit_merges))
+    write_tokenizer(out, learn_vocabulary(freq, N_RANKS))
     return Tokenizer.from_dir(out)
 
 
@@ -210,6 +239,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "parameters": sum(int(x.numel()) for x in model.parameters()),
     }
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    state_path.unlink(missing_ok=True)   # only for resuming an interrupted run; never shipped
     return meta
 
 
@@ -258,37 +288,40 @@ def export(model: Any, out: Path, seed: int) -> None:
 
 
 def torch_greedy(model: Any, prompt: list[int], end_ids: frozenset[int], max_new: int = MAX_NEW) -> list[int]:
-    """Greedy continuation by full recompute (no cache), stopping after an end id."""
+    """Greedy continuation with the model's cache (the prompt in one call, then one token per
+    call), stopping after an end id, which is never fed."""
     import torch
 
-    ids = list(prompt)
     out: list[int] = []
+    cache: dict = {}
     with torch.no_grad():
+        logits = model(torch.tensor([list(prompt)]), cache=cache)[0, -1]
         for _ in range(max_new):
-            logits = model(torch.tensor([ids]))[0, -1]
             nxt = int(torch.argmax(logits))
             out.append(nxt)
             if nxt in end_ids:
                 break
-            ids.append(nxt)
+            logits = model(torch.tensor([[nxt]]), cache=cache)[0, -1]
     return out
 
 
-def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMPTS_PER_TASK_MODE) -> int:
-    """Greedy answers of the exported checkpoint, computed by torch in float64."""
+def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMPTS_PER_TASK_MODE,
+                   limit: int | None = None) -> int:
+    """Greedy answers of the exported checkpoint, computed by torch (float32, as the engine)."""
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
     from k3chat.template import Grammar, MalformedTurn
     from k3chat.tokenizer import Tokenizer
 
     torch = require_torch()
+    torch.set_num_threads(1)              # one token at a time: small ops, no thread fan-out
     tok = Tokenizer.from_dir(model_dir)
-    model = K3Torch(DEMO_PRESET, tok.vocab_size, dtype=torch.float64)
+    model = K3Torch(DEMO_PRESET, tok.vocab_size)
     model.quantize = False
     model.load_checkpoint(model_dir)
     grammar = Grammar(tok)
     rows = []
-    for task, mode, conv in tasks.sample_prompts(seed, per):
+    for task, mode, conv in tasks.sample_prompts(seed, per)[:limit]:
         turn = conv.scored[-1]
         prompt = corpus.prompt_ids(conv, turn, tok)
         gen = torch_greedy(model, prompt, tok.end_ids)

@@ -1,0 +1,208 @@
+"""``k3chat eval-demo``: held-out questions through the C engine, scored by exact match.
+
+Every question comes from the held-out side of ``tasks.held_out`` (never in the training
+text). Each conversation runs as the app runs it: the template renders the history with
+the generation prompt, the engine session feeds only what extends what it already holds,
+decoding is greedy until an end id, and the turn is parsed with the strict grammar. A
+follow-up question is asked after the model's *own* first answer, so a wrong first answer
+makes the follow-up wrong too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from k3chat import template
+from k3chat.tokenizer import Tokenizer
+
+from . import model_dir as demo_model_dir
+from .tasks import EVAL_TASKS, MODES, Conversation, eval_conversation, is_correct, thinking_of
+
+EVAL_SEED = 7_000_001
+MAX_NEW = 600
+CONTEXT = 4096
+
+
+@dataclass
+class TurnOutcome:
+    ids: list[int]
+    well_formed: bool
+    reasoning: str | None
+    content: str
+
+
+@dataclass
+class Tally:
+    right: int = 0
+    n: int = 0
+    by_mode: dict[str, list[int]] = field(default_factory=dict)  # mode -> [right, n]
+
+    def add(self, mode: str, ok: bool) -> None:
+        self.right += ok
+        self.n += 1
+        slot = self.by_mode.setdefault(mode, [0, 0])
+        slot[0] += ok
+        slot[1] += 1
+
+
+class DemoRunner:
+    """Greedy turns on an open engine model, with prefix reuse inside one conversation."""
+
+    def __init__(self, model: Any, tokenizer: Tokenizer, *, max_new: int = MAX_NEW) -> None:
+        self.model = model
+        self.tok = tokenizer
+        self.grammar = template.Grammar(tokenizer)
+        self.session = model.session(CONTEXT)
+        self.max_new = max_new
+
+    def turn(self, messages: list[dict[str, str]], mode: str) -> TurnOutcome:
+        thinking, effort = thinking_of(mode)
+        prompt = template.encode(template.render(messages, thinking=thinking, effort=effort,
+                                                 add_generation_prompt=True), self.tok)
+        return self.turn_ids(prompt, thinking)
+
+    def turn_ids(self, prompt: list[int], thinking: bool) -> TurnOutcome:
+        held = self.session.ids
+        if len(held) < len(prompt) and prompt[: len(held)] == held and not self.session.tainted:
+            logits = self.session.feed(prompt[len(held):])
+        else:
+            self.session.reset()
+            logits = self.session.feed(prompt)
+        out: list[int] = []
+        for _ in range(self.max_new):
+            nxt = int(np.argmax(logits))
+            out.append(nxt)
+            if nxt in self.tok.end_ids:
+                break                      # an end id is never fed (spec 1.7)
+            logits = self.session.feed([nxt])
+        try:
+            parsed = self.grammar.parse_strict(out, thinking)
+            return TurnOutcome(out, True, parsed.reasoning, parsed.content)
+        except template.MalformedTurn:
+            parsed = self.grammar.parse_lenient(out, thinking)
+            return TurnOutcome(out, False, parsed.reasoning, parsed.content)
+
+    def conversation(self, conv: Conversation) -> list[TurnOutcome]:
+        messages: list[dict[str, str]] = [{"role": "system", "content": conv.system}] if conv.system else []
+        outcomes = []
+        for t in conv.turns:
+            messages.append({"role": "user", "content": t.question})
+            o = self.turn(messages, conv.mode)
+            outcomes.append(o)
+            rec = {"role": "assistant", "content": o.content}
+            if o.reasoning is not None:
+                rec["reasoning_content"] = o.reasoning
+            messages.append(rec)
+        return outcomes
+
+
+def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence[str] = MODES,
+             tasks: Sequence[str] = EVAL_TASKS, seed: int = EVAL_SEED,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Accuracy per task (and per mode) and the share of well-formed turns."""
+    runner = DemoRunner(model, tokenizer)
+    rng = random.Random(seed)
+    tallies = {t: Tally() for t in tasks}
+    formed = [0, 0]
+    generated = 0
+    t0 = time.perf_counter()
+    for task in tasks:
+        for mode in modes:
+            for _ in range(per_task):
+                conv = eval_conversation(rng, task, mode)
+                outcomes = runner.conversation(conv)
+                for o in outcomes:
+                    formed[0] += o.well_formed
+                    formed[1] += 1
+                    generated += len(o.ids)
+                for i in conv.scored:
+                    o = outcomes[i]
+                    tallies[task].add(mode, o.well_formed and is_correct(conv.turns[i], o.content))
+            if progress:
+                tl = tallies[task].by_mode[mode]
+                progress(f"{task:10s} {mode:4s} {tl[0]:3d}/{tl[1]:<3d}")
+    seconds = time.perf_counter() - t0
+    return {
+        "tasks": {t: {"accuracy": tl.right / tl.n if tl.n else 0.0, "n": tl.n,
+                      "by_mode": {m: {"accuracy": r / n, "n": n} for m, (r, n) in tl.by_mode.items()}}
+                  for t, tl in tallies.items()},
+        "well_formed": formed[0] / formed[1] if formed[1] else 0.0,
+        "turns": formed[1],
+        "generated_tokens": generated,
+        "seconds": round(seconds, 2),
+        "seed": seed,
+        "per_task_and_mode": per_task,
+        "modes": list(modes),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    modes = result["modes"]
+    lines = [f"{'task':12s}" + "".join(f"{m:>8s}" for m in modes) + f"{'all':>8s}{'n':>6s}"]
+    for task, r in result["tasks"].items():
+        cells = "".join(f"{100 * r['by_mode'][m]['accuracy']:7.1f}%" if m in r["by_mode"] else f"{'-':>8s}"
+                        for m in modes)
+        lines.append(f"{task:12s}{cells}{100 * r['accuracy']:7.1f}%{r['n']:6d}")
+    lines.append(f"well-formed turns: {100 * result['well_formed']:.1f}% of {result['turns']}; "
+                 f"{result['generated_tokens']:,} tokens in {result['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    from k3engine.model import Model
+
+    ap = argparse.ArgumentParser(prog="k3chat eval-demo",
+                                 description="Score the demo model on held-out questions, through the C engine.")
+    ap.add_argument("model_dir", nargs="?", default=None, help="default: the built-in demo model")
+    ap.add_argument("--n", type=int, default=20, metavar="N", help="questions per task and thinking mode (default 20)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
+    ap.add_argument("--tasks", default=",".join(EVAL_TASKS), help="comma-separated task names")
+    ap.add_argument("--seed", type=int, default=EVAL_SEED)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
+    try:
+        args = ap.parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    modes = [m for m in args.modes.split(",") if m]
+    names = [t for t in args.tasks.split(",") if t]
+    bad = [m for m in modes if m not in MODES] + [t for t in names if t not in EVAL_TASKS]
+    if bad or args.n < 1:
+        print(f"k3chat eval-demo: unknown mode or task {bad}" if bad else "k3chat eval-demo: --n must be >= 1",
+              file=sys.stderr)
+        return 2
+    from k3chat.chat_cli import json_path_problem
+
+    problem = json_path_problem(args.json_out)
+    if problem is not None:
+        print(f"k3chat eval-demo: {problem}", file=sys.stderr)
+        return 2
+    path = Path(args.model_dir) if args.model_dir else demo_model_dir()
+    if not (path / "config.json").is_file():
+        print(f"k3chat eval-demo: {path} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    import os
+
+    model = Model(path, threads=args.threads or os.cpu_count() or 1)
+    tok = Tokenizer.from_dir(path)
+    result = evaluate(model, tok, per_task=args.n, modes=modes, tasks=names, seed=args.seed,
+                      progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(result))
+    if args.json_out:
+        from k3chat import paths  # private (0600) and atomic, like run --json
+
+        try:
+            paths.atomic_write(Path(args.json_out), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+        except OSError as exc:
+            print(f"k3chat eval-demo: cannot write {args.json_out}: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,145 @@
+"""The demo model's training text: tasks, the held-out split, rendering and the tokenizer.
+
+Expected answers here are computed from the question text alone (regex + Python), never
+taken from the generator under test.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from k3chat import template
+from k3chat.demo import corpus, tasks
+from k3chat.tokenizer import Tokenizer
+
+
+def _independent_answer(task: str, question: str) -> str:
+    nums = [int(x) for x in re.findall(r"\d+", question)]
+    if task.startswith("add"):
+        return str(nums[0] + nums[1])
+    if task.startswith("sub"):
+        a, b = nums
+        if question.startswith("Subtract"):
+            a, b = b, a                         # "Subtract B from A"
+        return str(a - b)
+    if task == "compare":
+        pick = max if ("larger" in question or "bigger" in question or "greater" in question
+                       or "more" in question) else min
+        return str(pick(nums))
+    if task == "count":
+        word = re.search(r"(?:in the word|word|in) ([a-z]+)", question).group(1)
+        letter = re.search(r"(?:many|letter|Count the|times is) ([a-z])(?:'s|s)?\b", question).group(1)
+        return str(word.count(letter))
+    if task == "reverse":
+        stop = {"reverse", "the", "word", "spell", "backwards", "what", "is", "reversed", "write", "can",
+                "you", "spelled"}
+        (word,) = [w for w in re.findall(r"[a-z]+", question.lower()) if w not in stop]
+        return word[::-1]
+    if task == "repeat":
+        return question.split(": ", 1)[1]
+    raise AssertionError(task)
+
+
+@pytest.mark.parametrize("task", [t for t in tasks.SINGLE_TASKS if t not in ("about", "other")])
+def test_every_answer_is_right_by_an_independent_computation(task: str) -> None:
+    rng = random.Random(3)
+    maker = tasks.SINGLE_TASKS[task][1]
+    for _ in range(150):
+        _, make = maker(rng)
+        t = make()
+        want = _independent_answer(task, t.question)
+        assert t.accept == (want,), (t.question, t.accept)
+        assert tasks.is_correct(t, t.response), (t.question, t.response)
+        assert want in t.reasoning["high"].replace(", ", "").replace(" ", "") or task in ("count", "repeat", "compare")
+
+
+def test_follow_ups_use_the_previous_answer() -> None:
+    rng = random.Random(4)
+    for _ in range(200):
+        prev = rng.randint(0, 999)
+        _, make = tasks.follow_up(rng, prev, "k")
+        t = make()
+        n = int(re.findall(r"\d+", t.question)[0])
+        want = prev + n if ("add" in t.question.lower() or "plus" in t.question) else prev - n
+        assert t.accept == (str(want),), t.question
+        assert f"previous answer was {prev}" in t.reasoning["high"]
+
+
+def test_reasoning_length_follows_the_effort() -> None:
+    rng = random.Random(5)
+    for name, (_, maker) in tasks.SINGLE_TASKS.items():
+        for _ in range(20):
+            _, make = maker(rng)
+            r = make().reasoning
+            assert len(r["low"]) < len(r["high"]) < len(r["max"]), (name, r)
+
+
+def test_training_never_sees_a_held_out_key_and_evaluation_only_sees_them() -> None:
+    rng = random.Random(6)
+    train_keys = {t.key for _ in range(3000) for t in tasks.training_conversation(rng).turns}
+    assert train_keys and not any(tasks.held_out(k) for k in train_keys)
+    ev = random.Random(7)
+    for task in tasks.EVAL_TASKS:
+        for mode in tasks.MODES:
+            conv = tasks.eval_conversation(ev, task, mode)
+            scored = conv.turns[conv.scored[-1]]
+            assert tasks.held_out(scored.key) and scored.key not in train_keys
+            assert scored.task == task
+    # the split is a fixed rule of the key: about one in ten held out
+    share = sum(tasks.held_out(f"add_2d:{a}:{b}") for a in range(10, 100) for b in range(10, 100)) / 8100
+    assert 0.07 < share < 0.13
+
+
+def test_answers_are_extracted_strictly() -> None:
+    t = tasks.Turn("add_2d", "k", "q", {}, "", ("83",))
+    assert tasks.is_correct(t, "36 + 47 = **83**.")
+    assert not tasks.is_correct(t, "36 + 47 = 83.")          # no bold answer
+    assert not tasks.is_correct(t, "**84**, or **83**")      # the first bold counts
+    w = tasks.Turn("repeat", "k", "q", {}, "", ("the fox.",), extract="whole")
+    assert tasks.is_correct(w, "the fox.") and not tasks.is_correct(w, "the fox")
+
+
+@pytest.fixture(scope="module")
+def demo_tok() -> Tokenizer:
+    from k3chat.demo import model_dir
+
+    path = model_dir()
+    if not (path / "tiktoken.model").is_file():
+        pytest.fail(f"the shipped demo model is missing at {path}")
+    return Tokenizer.from_dir(path)
+
+
+def test_shipped_tokenizer_keeps_digits_apart_and_has_k3_specials(demo_tok: Tokenizer) -> None:
+    for n in (7, 42, 305, 1998):
+        assert [demo_tok.decode([i]) for i in demo_tok.encode_text(str(n))] == list(str(n))
+    n = demo_tok.n_ranks
+    for offset, name in ((0, "[BOS]"), (1, "[EOS]"), (2, "<|end_of_msg|>"), (3, "<|open|>"),
+                         (4, "<|close|>"), (5, "<|sep|>"), (255, "[PAD]")):
+        assert demo_tok.special_id(name) == n + offset
+    # learned on the training text: its words are single tokens
+    for word in (" column", " answer", " letter", "think"):
+        assert len(demo_tok.encode_text(word)) == 1, word
+
+
+def test_training_rows_mask_exactly_the_assistant_turns(demo_tok: Tokenizer) -> None:
+    rng = random.Random(8)
+    grammar = template.Grammar(demo_tok)
+    for _ in range(60):
+        conv = tasks.training_conversation(rng)
+        ids, mask = corpus.encode_conversation(conv, demo_tok)
+        spans, start = [], None
+        for i, m in enumerate(mask + [False]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                spans.append((start, i))
+                start = None
+        assert len(spans) == len(conv.turns)
+        for (a, b), turn, i in zip(spans, conv.turns, range(len(conv.turns))):
+            assert ids[:a] == corpus.prompt_ids(conv, i, demo_tok)   # what the app would feed
+            thinking, _ = tasks.thinking_of(conv.mode)
+            parsed = grammar.parse_strict(ids[a:b], thinking)        # a well-formed turn, end id last
+            assert parsed.content == turn.response
+            assert parsed.reasoning == (turn.reasoning[conv.mode] if thinking else None)
