@@ -37,5 +37,6 @@ def banner(path: Path | None = None) -> str:
     return (f"Built-in demo model: a tiny Kimi K3 ({size:.1f} MB{params}; 8 layers, KDA and MLA, "
             f"8 MXFP4 experts) trained on this project's own arithmetic and word puzzles: sums and "
             f"differences up to three digits, which of two numbers is larger, counting a letter, "
-            f"reversing a word, repeating a sentence. It knows nothing else. For the real Kimi K3: "
+            f"reversing a word, repeating a sentence. It knows nothing else and is often wrong "
+            f"(k3chat eval-demo measures it). For the real Kimi K3: "
             f"k3chat chat /path/to/Kimi-K3 (or set `model` in config.toml).")
