@@ -54,9 +54,12 @@ class _StopRequest:
 
 
 def greedy(logits: np.ndarray) -> int:
-    """The first maximum (ties go to the lower id); a NaN logit is an engine fault."""
-    if np.isnan(logits).any():
-        raise FloatingPointError("the engine produced a NaN logit")
+    """The first maximum (ties go to the lower id); a NaN or infinite logit is an engine fault
+    (a weight or an activation overflowed), never a token."""
+    bad = np.flatnonzero(~np.isfinite(logits))
+    if bad.size:
+        raise FloatingPointError(f"the engine produced a non-finite logit ({float(logits[bad[0]])} at id "
+                                 f"{int(bad[0])}); the checkpoint or the computation is broken")
     return int(np.argmax(logits))
 
 
@@ -74,7 +77,7 @@ def _token_row(seconds: float, d: dict[str, int]) -> dict[str, Any]:
 def _write_json(path: str, payload: dict[str, Any]) -> None:
     # Private (0600) and atomic through an unpredictable O_EXCL|O_NOFOLLOW temp file, like
     # every file k3chat writes: a planted symlink at "<path>.tmp" cannot redirect it.
-    paths.atomic_write(Path(path), json.dumps(payload).encode("utf-8"))
+    paths.atomic_write(Path(path), json.dumps(payload, allow_nan=False).encode("utf-8"))
 
 
 def run_ids(args: argparse.Namespace) -> int:
@@ -138,7 +141,8 @@ def run_ids(args: argparse.Namespace) -> int:
             logits = session.feed(args.ids)
             prefill_s = time.perf_counter() - t0
             prefill_stats = stats_delta(before, model.stats())
-            logits_first = [float(x) for x in logits]
+            # standard JSON has no Infinity/NaN: a non-finite logit is written as null (and fails below)
+            logits_first = [float(x) if np.isfinite(x) else None for x in logits]
             for step in range(args.gen):
                 tok = greedy(logits)
                 generated.append(tok)

@@ -143,8 +143,9 @@ def _as_logits(logits: npt.ArrayLike) -> npt.NDArray[np.float32]:
     arr = np.asarray(logits, dtype=np.float32).reshape(-1)
     if arr.size == 0:
         raise SamplerError("empty logits")
-    if np.isnan(arr).any():
-        raise SamplerError(f"NaN logit at id {int(np.flatnonzero(np.isnan(arr))[0])} (engine fault)")
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:  # NaN or +-Inf: an overflow upstream, never a token to sample
+        raise SamplerError(f"non-finite logit ({float(arr[bad[0]])}) at id {int(bad[0])} (engine fault)")
     return arr
 
 

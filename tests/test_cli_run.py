@@ -146,3 +146,31 @@ def test_plan_and_doctor_subcommands(tiny_dir: Path, tmp_path: Path, cmd: list[s
     r = k3chat(*args)
     assert r.returncode == 0, r.stderr
     assert ("memory plan" in r.stdout) if cmd[0] == "plan" else ("GB/s" in r.stdout)
+
+
+def _poison_lm_head(src: Path, dst: Path, element: int, bits: int) -> None:
+    """Copy a checkpoint and overwrite one BF16 element of lm_head in place."""
+    from k3engine.writer import read_header
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"]["language_model.lm_head.weight"]
+    entry = read_header(shard)["language_model.lm_head.weight"]
+    with open(shard, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header_len + entry["data_offsets"][0] + 2 * element)
+        f.write(bits.to_bytes(2, "little"))
+
+
+@pytest.mark.parametrize("bits,name", [(0xFF80, "-inf"), (0x7F80, "inf"), (0x7FC0, "nan")])
+def test_non_finite_logits_fail_instead_of_becoming_tokens(tiny_dir: Path, tmp_path: Path, bits: int,
+                                                           name: str) -> None:
+    bad = tmp_path / "bad"
+    _poison_lm_head(tiny_dir, bad, 640, bits)   # the audit's case: row 5 of lm_head, column 0
+    out = tmp_path / "r.json"
+    r = k3chat("run", str(bad), "--ids", "1,2", "--gen", "3", "--json", str(out))
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "non-finite logit" in r.stderr
+    res = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert res["error"] and "non-finite" in res["error"] and res["generated_ids"] == []
+    assert res["logits_first"][640 // 128] is None     # element 640 = row 5 (hidden 128), col 0

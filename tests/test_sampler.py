@@ -72,7 +72,8 @@ def test_greedy_is_first_argmax_without_rng() -> None:
     assert s.sample(np.array([1.0, 3.0, 3.0, 2.0], dtype=np.float32)) == 1  # ties to the lower id
     lg = logits()
     assert s.sample(lg) == int(np.argmax(lg))
-    assert s.sample(np.full(5, -np.inf, dtype=np.float32)) == 0
+    with pytest.raises(SamplerError, match="non-finite"):   # the engine never masks with -inf
+        s.sample(np.full(5, -np.inf, dtype=np.float32))
     assert s.rng.state == state
 
 
@@ -109,8 +110,9 @@ def test_bad_logits_refused() -> None:
         s = Sampler(settings, 1)
         with pytest.raises(SamplerError, match="empty"):
             s.sample(np.array([], dtype=np.float32))
-        with pytest.raises(SamplerError, match="NaN"):
-            s.sample(np.array([0.0, np.nan], dtype=np.float32))
+        for bad in (np.nan, np.inf, -np.inf):  # an overflow upstream, never a token
+            with pytest.raises(SamplerError, match="non-finite logit .* at id 1"):
+                s.sample(np.array([0.0, bad], dtype=np.float32))
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,10 +159,11 @@ def test_temperature_sharpens() -> None:
     assert abs(share - 0.6**4 / (0.6**4 + 0.4**4)) < 0.03
 
 
-def test_non_finite_sum_falls_back_to_argmax_without_draw() -> None:
+def test_infinite_logit_is_refused_without_a_draw() -> None:
     s = Sampler(SAMPLE, 1)
     state = s.rng.state
-    assert s.sample(np.array([0.0, np.inf, 1.0], dtype=np.float32)) == 1
+    with pytest.raises(SamplerError, match="non-finite"):
+        s.sample(np.array([0.0, np.inf, 1.0], dtype=np.float32))
     assert s.rng.state == state
     s.sample(logits())
     assert s.rng.state != state  # a real draw advances the generator
