@@ -196,7 +196,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     batches: list[list[int]] = []
     while len(batches) < steps:
         batches += make_batches(seqs, batch_tokens, batch_rng)
-    warmup = min(100, steps // 10)
+    warmup = max(1, min(100, steps // 10))
     bias_names = model.router_bias_names()
     t_train = time.time()
     for step in range(start_step, steps):
@@ -358,7 +358,15 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
-    args = ap.parse_args(list(argv))
+    try:
+        args = ap.parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    bad = [f"--{k.replace('_', '-')} must be >= 1" for k in ("steps", "conversations", "batch_tokens", "threads")
+           if getattr(args, k) < 1]
+    if bad or not args.lr > 0:
+        print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if not args.record_only:
         meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
