@@ -94,7 +94,7 @@ SMALL_FILES_BYTES = 4 << 20  # tokenizer, config, index, manifest, marker: a bou
 IO_ALIGN = 4096  # the engine's direct-I/O alignment (KX_ALIGN in native/k3_store.c)
 LM = "language_model.model."
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 5
+from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE  # noqa: E402 - one definition for every command
 
 Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
 Log = Callable[[str], None]

@@ -16,7 +16,7 @@ from .model import Model, StreamOptions
 from .planner import (DEFAULT_CONTEXT, Plan, make_plan, make_plan_default_lookahead,
                       tensor_sizes_from_dir)
 
-__all__ = ["OpenedModel", "open_budgeted", "ALL_RESIDENT"]
+__all__ = ["OpenedModel", "open_budgeted", "check_lookahead", "LookaheadError", "ALL_RESIDENT"]
 
 ALL_RESIDENT = "all"
 
@@ -26,6 +26,22 @@ class OpenedModel:
     model: Model
     plan: Plan | None        # None when everything is resident without a plan
     options: StreamOptions
+
+
+class LookaheadError(ValueError):
+    """A lookahead setting the model cannot use."""
+
+
+def check_lookahead(lookahead: int | None, n_experts: int, top_k: int) -> None:
+    """0 (off) up to the experts of a layer: prefetching more than exist is a typo, not a
+    setting (the engine would silently clamp it)."""
+    if lookahead is None:
+        return
+    if lookahead < 0:
+        raise LookaheadError(f"--lookahead must be >= 0 (0 turns it off), got {lookahead}")
+    if lookahead > n_experts:
+        raise LookaheadError(f"--lookahead {lookahead:,} is more than the {n_experts} routed experts of a "
+                             f"layer; give 0 (off) to {n_experts} (the default is the top-k, {top_k})")
 
 
 def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
@@ -40,8 +56,7 @@ def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
     MemorySizeError for a bad string.
     """
     cfg = load_config(model_dir)
-    if lookahead is not None and lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    check_lookahead(lookahead, cfg.n_experts, cfg.top_k)
     if memory == ALL_RESIDENT:
         opts = StreamOptions(lookahead=cfg.top_k if lookahead is None else int(lookahead))
         return OpenedModel(Model(model_dir, threads=threads, scalar=scalar, streaming=opts), None, opts)

@@ -37,10 +37,7 @@ from . import sizes as sz
 
 __all__ = ["main_doctor", "cpu_info", "probe_disk", "ProbeResult", "PhaseResult"]
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 5  # as the rest of the k3chat command line
+from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE  # noqa: E402 - one definition for every command
 
 # One real K3 routed expert (spec 2.4: 3 x 3072 x 3584 x (1/2 + 1/32)); a multiple of 4096,
 # so it is also a valid O_DIRECT length. The probe measures the disk for the real model, so

@@ -1011,8 +1011,7 @@ def make_plan_default_lookahead(cfg: ModelConfig, tensor_sizes: TensorSizes | Ma
 # `k3chat plan`
 # ---------------------------------------------------------------------------------------
 
-EXIT_OK = 0
-EXIT_USAGE = 2
+from .exit_codes import EXIT_OK, EXIT_USAGE  # noqa: E402 - one definition for every command
 
 
 def _context_arg(text: str) -> int:

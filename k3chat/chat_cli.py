@@ -29,27 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from datetime import datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, Callable
 
-from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
 from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name
-
-
-def _err(message: str) -> None:
-    """One status line on standard error, controls made visible (messages quote names)."""
-    try:
-        sys.stderr.write(for_terminal(f"k3chat: {message}") + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass  # stderr is gone; the exit code still says it
+from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
+                      SignalStops, memory_option, open_model)
+from .runtime import say as _err
 
 
 def usage_error(message: str) -> int:
@@ -95,8 +86,11 @@ def _text_problem(option: str, text: str | None) -> str | None:
     return None
 
 
-class _Usage(Exception):
+class _Usage(Failure):
     """A usage or configuration problem: exit 2 with this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_USAGE)
 
 
 # --------------------------------------------------------------------------- settings
@@ -170,59 +164,6 @@ def _session_name(prompt: str) -> str:
     line = " ".join(prompt.split())
     name = "".join(ch for ch in line if ch.isprintable())[:60].strip()
     return name or "untitled"
-
-
-# --------------------------------------------------------------------------- signals
-
-
-class _Signals:
-    """SIGINT/SIGTERM/SIGHUP. First: stop after the step in flight (``on_first``). Second:
-    abort the step in flight (``on_second``; with no turn running yet, KeyboardInterrupt in
-    the main thread, which leaves no trace). Third: exit at once."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.count = 0
-        self.on_first: Callable[[], None] | None = None
-        self.on_second: Callable[[], None] | None = None
-        self._old: dict[int, Any] = {}
-
-    def _say(self, text: str) -> None:
-        try:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-        if self.count >= 3:
-            try:
-                self._say("\nk3chat: stopped at once\n")
-            finally:
-                os._exit(EXIT_INTERRUPTED)
-        if self.count == 2:
-            if self.on_second is None:
-                raise KeyboardInterrupt
-            self._say("\nk3chat: aborting the current step; saving what was generated "
-                      "(a third Ctrl-C quits at once)\n")
-            self.on_second()
-            return
-        self.requested.set()
-        self._say("\nk3chat: stopping after the current step and saving (Ctrl-C again to abort the step)\n")
-        if self.on_first is not None:
-            self.on_first()
-
-    def __enter__(self) -> _Signals:
-        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                self._old[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
 
 
 def _in_worker(fn: Callable[[], Any]) -> Any:
@@ -315,12 +256,13 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     _tolerant_streams()
-    try:
-        return _run_chat(args)
-    except _Usage as exc:
-        return usage_error(str(exc))
-    except KeyboardInterrupt:
-        return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
+    with SignalStops() as signals:  # until the exit code is known: a late signal is handled too
+        try:
+            return _run_chat(args, signals)
+        except Failure as exc:
+            return _fail(exc.message, exc.code)
+        except KeyboardInterrupt:  # a second signal before the turn could start
+            return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -388,11 +330,12 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
     return info, None
 
 
-def _run_chat(args: argparse.Namespace) -> int:
+def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     _check_args(args)
     settings = _run_settings(args)
     model_dir = Path(settings.model)
     context = _context(args, model_dir)
+    memory = memory_option(args.memory, settings.memory)
     from . import paths
     try:
         store = _open_store()
@@ -400,62 +343,24 @@ def _run_chat(args: argparse.Namespace) -> int:
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(f"cannot open the history: {exc}")
 
-    with _Signals() as signals:
-        created: SessionInfo | None = None
-        try:
-            opened = _open_model(model_dir, args, args.memory or settings.memory, context)
-            if isinstance(opened, int):
-                return opened
-            model, tokenizer = opened
-            if signals.requested.is_set():
-                return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
-            if info is None:
-                name = args.session or _session_name(args.prompt)
-                try:
-                    info = created = store.create(name, model=model_dir.name)
-                except (HistoryError, OSError) as exc:
-                    return _fail(f"cannot create the session: {exc}")
-            return _run_turn(args, settings, store, info, created is not None, system, model, tokenizer,
-                             signals, context)
-        except KeyboardInterrupt:  # a second signal before the turn could start
+    created: SessionInfo | None = None
+    try:
+        opened = open_model(model_dir, memory=memory, context=context, threads=args.threads,
+                            lookahead=args.lookahead, scalar=args.scalar)
+        if signals.requested.is_set():
+            opened.close()
             return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
-        finally:
-            if created is not None:
-                _discard_if_empty(store, created)  # a failure before the first record: no trace
-
-
-def _open_model(model_dir: Path, args: argparse.Namespace, memory: str, context: int) -> tuple[Any, Any] | int:
-    from k3engine.budgeted import open_budgeted
-    from k3engine.errors import CheckpointError
-    from k3engine.model import EngineError, ExpertReadError
-    from k3engine.planner import PlanError
-    from k3engine.sizes import MemorySizeError
-
-    from .tokenizer import Tokenizer, TokenizerError
-
-    threads = args.threads or os.cpu_count() or 1
-    try:
-        model = open_budgeted(model_dir, memory=memory, context=context,
-                              lookahead=args.lookahead, threads=min(threads, 64), scalar=args.scalar).model
-    except (PlanError, MemorySizeError) as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    except CheckpointError as exc:
-        return _fail(f"cannot open {model_dir}:\n{exc}", EXIT_USAGE)
-    except EngineError as exc:
-        return _fail(f"the engine refused {model_dir}: {exc}",
-                     EXIT_EXPERT_IO if isinstance(exc, ExpertReadError) else EXIT_RUNTIME)
-    except MemoryError:
-        return _fail(f"out of memory opening {model_dir}; try a smaller --memory or --context")
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable files, bad values
-        return _fail(f"cannot open {model_dir}: {exc}", EXIT_USAGE)
-    try:
-        tokenizer = Tokenizer.from_dir(model_dir)
-        tokenizer.engine_vocab_check(model.config.vocab)
-    except TokenizerError as exc:
-        return _fail(f"tokenizer in {model_dir}: {exc}", EXIT_USAGE)
-    except (OSError, ValueError) as exc:
-        return _fail(f"cannot load the tokenizer in {model_dir}: {exc}", EXIT_USAGE)
-    return model, tokenizer
+        if info is None:
+            name = args.session or _session_name(args.prompt)
+            try:
+                info = created = store.create(name, model=model_dir.name)
+            except (HistoryError, OSError) as exc:
+                return _fail(f"cannot create the session: {exc}")
+        return _run_turn(args, settings, store, info, created is not None, system, opened.model,
+                         opened.tokenizer, signals, context)
+    finally:
+        if created is not None:
+            _discard_if_empty(store, created)  # a failure before the first record: no trace
 
 
 def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, model: Any,
@@ -481,7 +386,7 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
 
 
 def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, created: bool,
-              system: str | None, model: Any, tokenizer: Any, signals: _Signals, context: int) -> int:
+              system: str | None, model: Any, tokenizer: Any, signals: SignalStops, context: int) -> int:
     from k3engine.model import ExpertReadError
 
     from .conversation import ContextOverflow, ConversationError, TurnFailed
@@ -493,10 +398,9 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
         _err(f"sampling with seed {conv.sampler.seed}")
     for problem in conv.load_problems:
         _err(f"warning: session {info.id}: {problem}")
-    signals.on_first = conv.cancel
-    signals.on_second = conv.abort
     if signals.requested.is_set():  # before anything was committed: leave no trace
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
+    signals.policy.bind(after_step=conv.cancel, abort_step=conv.abort)
     printer = _Printer(info)
     payload: dict[str, Any] = {"session": info.id, "session_name": info.name, "model_dir": str(settings.model)}
     code = EXIT_OK
@@ -520,16 +424,19 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
     except Exception as exc:  # the answer may have been shown: never report success
         code = _fail(f"the turn failed: {type(exc).__name__}: {exc}")
         payload["error"] = f"{type(exc).__name__}: {exc}"
+    # The turn is over and saved: a signal from now on does not change what happened.
+    stopped = signals.requested.is_set()
+    signals.policy.finish()
     if result is not None:
         payload.update(result.to_json())
         payload.setdefault("error", None)
         if code == EXIT_OK:
-            if result.stop == "cancelled" or signals.requested.is_set():
+            if result.stop == "cancelled" or stopped:
                 code = EXIT_INTERRUPTED  # Ctrl-C, even if it only stopped the state sync
             elif result.interrupted and result.stop != "limit":
                 code = EXIT_RUNTIME  # a malformed answer: saved, marked, said so above
         _summary(result, info)
-    elif signals.requested.is_set() and code == EXIT_OK:
+    elif stopped and code == EXIT_OK:
         code = EXIT_INTERRUPTED
     payload["exit_code"] = code
     if args.json_out:

@@ -15,11 +15,9 @@ import argparse
 import sys
 from typing import Sequence
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_EXPERT_IO = 4
-EXIT_INTERRUPTED = 5
+from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "EXIT_EXPERT_IO", "EXIT_INTERRUPTED"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -194,6 +192,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         settings = merge_cli(load_settings(), overrides)
     except SettingsError as exc:
         return usage_error(str(exc))
+    from .runtime import Failure, memory_option
+    try:
+        memory = memory_option(args.memory, settings.memory)
+    except Failure as exc:
+        return usage_error(exc.message)
     if settings.model is None:
         args.demo = True  # nothing configured: the built-in demo model
     from .app import AppUsageError, build_app
@@ -202,7 +205,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
-                        session=args.session, memory=args.memory, threads=args.threads, context=args.context)
+                        session=args.session, memory=memory, threads=args.threads, context=args.context)
     except AppUsageError as exc:
         return usage_error(str(exc))
     except (HistoryError, UnsafePathError, OSError) as exc:
@@ -226,6 +229,19 @@ def _passthrough() -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; a Ctrl-C that arrives before a command has its own handling (while
+    Python is still importing) exits 5 with one line, never a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        try:
+            sys.stderr.write("\nk3chat: interrupted\n")
+        except (OSError, ValueError):
+            pass
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import importlib
 
     args_list = list(sys.argv[1:] if argv is None else argv)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from k3chat import paths, statefile
+from k3chat.engine_api import EngineModel, EngineSession
 from k3chat.events import (
     AnswerToken,
     Event,
@@ -293,7 +294,7 @@ class Conversation:
 
     def __init__(
         self,
-        model: Any,
+        model: EngineModel,
         tokenizer: Tokenizer,
         store: HistoryStore,
         session_id: str,
@@ -343,7 +344,7 @@ class Conversation:
         loaded = store.load(session_id)
         self._records: list[dict[str, Any]] = list(loaded.records)
         self.load_problems: list[str] = list(loaded.problems)
-        self._session: Any = None
+        self._session: EngineSession | None = None
         self._fed: list[int] | None = None  # None: unknown (tainted)
         self._snaps: list[_Snap] = []
         self._state_file_tried = not state_files
@@ -357,6 +358,12 @@ class Conversation:
             except OSError as exc:
                 log.warning("stale state temp files not removed: %s", exc)
 
+    @property
+    def _live(self) -> EngineSession:
+        """The engine session; every caller runs after _ensure_session opened it."""
+        assert self._session is not None, "no engine session open"
+        return self._session
+
     # ------------------------------------------------------------------ public API
 
     @property
@@ -366,7 +373,10 @@ class Conversation:
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = model_fingerprint_for(self.model.dir)
+            model_dir = getattr(self.model, "dir", None)  # not part of the seam: fakes pass fingerprint=
+            if model_dir is None:
+                raise ValueError("the model has no checkpoint directory to fingerprint; pass fingerprint=")
+            self._fingerprint = model_fingerprint_for(model_dir)
         return self._fingerprint
 
     @property
@@ -530,9 +540,9 @@ class Conversation:
             payload, ids, note = self._read_state_file(prompt)
             if payload is not None and ids is not None and len(ids) > best_len:
                 try:
-                    self._session.import_state(payload)
-                    if self._session.length != len(ids):
-                        raise ValueError(f"the engine holds {self._session.length} positions after import, "
+                    self._live.import_state(payload)
+                    if self._live.length != len(ids):
+                        raise ValueError(f"the engine holds {self._live.length} positions after import, "
                                          f"the file {len(ids)}")
                     self._fed = list(ids)
                     return len(ids), "state_file", None
@@ -542,7 +552,7 @@ class Conversation:
                     return reused, source, f"saved state refused (import failed: {exc}); prefilling the history"
         if best_src == "snapshot" and best_snap is not None:
             try:
-                self._session.restore(best_snap.snap_id)
+                self._live.restore(best_snap.snap_id)
                 self._fed = list(best_snap.ids)
             except Exception as exc:
                 log.warning("snapshot restore failed (%s); prefilling", exc)
@@ -553,8 +563,8 @@ class Conversation:
         return best_len, best_src, note
 
     def _fresh(self) -> None:
-        if self._fed is None or self._fed or self._session.tainted or self._session.length:
-            self._session.reset()
+        if self._fed is None or self._fed or self._live.tainted or self._live.length:
+            self._live.reset()
         self._fed = []
 
     def _read_state_file(self, prompt: Sequence[int]) -> tuple[bytes | None, list[int] | None, str | None]:
@@ -595,11 +605,11 @@ class Conversation:
         while len(self._snaps) >= self.max_snapshots:
             old = self._snaps.pop(0)
             try:
-                self._session.drop_snapshot(old.snap_id)
+                self._live.drop_snapshot(old.snap_id)
             except Exception:
                 pass
         try:
-            snap_id = self._session.snapshot()
+            snap_id = self._live.snapshot()
         except Exception as exc:  # out of memory for a copy: an optimisation lost, nothing else
             log.warning("no turn-boundary snapshot: %s", exc)
             return False
@@ -609,7 +619,7 @@ class Conversation:
     def _feed(self, ids: Sequence[int], *, cancellable: bool) -> Any:
         """Feed and mirror into _fed; a failed or cancelled feed leaves _fed unknown."""
         try:
-            logits = self._session.feed(list(ids), cancel=self._engine_cancel if cancellable else None)
+            logits = self._live.feed(list(ids), cancel=self._engine_cancel if cancellable else None)
         except BaseException:
             self._fed = None
             raise
@@ -832,9 +842,9 @@ class Conversation:
         rendered = self._render_ids(self._records, False)
         in_line = self._live_usable() and self._fed and _is_prefix(self._fed, rendered)
         if not in_line and not cancelled and not self._cancel.is_set():
-            if len(rendered) > self._session.capacity:
+            if len(rendered) > self._live.capacity:
                 emit(Notice("state", f"engine state not saved (the stored history is {len(rendered)} tokens, "
-                                     f"the context {self._session.capacity}); the next run prefills the history"))
+                                     f"the context {self._live.capacity}); the next run prefills the history"))
                 return
             candidates = [s for s in self._snaps if _extends(s.ids, rendered)]
             best = max(candidates, key=lambda s: len(s.ids), default=None)
@@ -845,7 +855,7 @@ class Conversation:
                 self._engine_cancel.set()
             try:
                 if best is not None:
-                    self._session.restore(best.snap_id)
+                    self._live.restore(best.snap_id)
                     self._fed = list(best.ids)
                 else:
                     self._fresh()
@@ -868,7 +878,7 @@ class Conversation:
         try:
             path = state_path(self.session_id)
             paths.ensure_private_dir(paths.state_dir())
-            payload = self._session.export_state()  # the one extra copy, dropped right after
+            payload = self._live.export_state()  # the one extra copy, dropped right after
             try:
                 statefile.save_state(path, payload, fingerprint=self.fingerprint, n_tokens=len(self._fed or []),
                                      cancel=self._aborted.is_set)

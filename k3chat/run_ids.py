@@ -1,56 +1,25 @@
 """`k3chat run MODEL_DIR --ids ...`: greedy generation on raw token ids.
 
-The first Ctrl-C (or SIGTERM) lets the step in flight finish, writes what was generated
-(marked interrupted) and exits 5; a second Ctrl-C exits at once.
+Stopping follows runtime.StopPolicy like every front-end: the first Ctrl-C (SIGTERM, SIGHUP)
+lets the step in flight finish, the second aborts it between two layers; both still write
+what was generated (marked interrupted) and exit 5. A third exits at once. Decoding runs on a
+worker thread so that the main thread is always free to take the signals.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
 
 from . import paths
-from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
-from .display import for_terminal
-
-
-def _err(message: str) -> None:
-    """A status line on standard error; messages quote paths and engine text: controls shown."""
-    print(for_terminal(f"k3chat: {message}"), file=sys.stderr, flush=True)
-
-
-class _StopRequest:
-    """Signal handling: the first signal asks to stop after the step, the second exits."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested.is_set():
-            os._exit(EXIT_INTERRUPTED)
-        self.requested.set()
-        print(file=sys.stderr)
-        _err("stopping after the current step (Ctrl-C again to quit now)")
-
-    def __enter__(self) -> "_StopRequest":
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
+from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
+                      SignalStops, memory_option, open_model)
+from .runtime import say as _err
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -81,85 +50,75 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def run_ids(args: argparse.Namespace) -> int:
-    from k3engine.budgeted import open_budgeted
-    from k3engine.errors import CheckpointError
-    from k3engine.model import EngineError, ExpertReadError, stats_delta
-    from k3engine.planner import PlanError
-    from k3engine.sizes import MemorySizeError
+    with SignalStops() as signals:  # until the exit code is known: a late signal is handled too
+        try:
+            return _run_ids(args, signals)
+        except Failure as exc:
+            _err(exc.message)
+            return exc.code
+        except KeyboardInterrupt:  # a second signal before decoding could start
+            _err("interrupted before generation started; nothing was written")
+            return EXIT_INTERRUPTED
 
-    from .chat_cli import json_path_problem
+
+def _run_ids(args: argparse.Namespace, signals: SignalStops) -> int:
+    from k3engine.model import CancelFlag, Cancelled, EngineError, ExpertReadError, stats_delta
+
+    from .chat_cli import _in_worker, json_path_problem
 
     problem = json_path_problem(args.json_out)
     if problem is not None:
-        _err(problem)
-        return EXIT_USAGE
-    threads = args.threads or os.cpu_count() or 1
-    memory = args.memory or "auto"
-    try:
-        opened = open_budgeted(args.model_dir, memory=memory, context=len(args.ids) + args.gen,
-                               lookahead=args.lookahead, threads=min(threads, 64), scalar=args.scalar)
-        model = opened.model
-    except (PlanError, MemorySizeError) as exc:
-        _err(str(exc))
-        return EXIT_USAGE
-    except ValueError as exc:
-        _err(str(exc))
-        return EXIT_USAGE
-    except CheckpointError as exc:
-        _err(f"cannot open {args.model_dir}:\n{exc}")
-        return EXIT_USAGE
-    except FileNotFoundError as exc:
-        _err(str(exc))
-        return EXIT_USAGE
-    except EngineError as exc:
-        _err(f"the engine refused {args.model_dir}: {exc}")
-        return EXIT_EXPERT_IO if isinstance(exc, ExpertReadError) else EXIT_RUNTIME
-    except MemoryError:
-        _err(f"out of memory opening {args.model_dir}; try a smaller --memory")
-        return EXIT_RUNTIME
-    except (OSError, KeyError, TypeError) as exc:
-        _err(f"cannot open {args.model_dir}: {exc}")
-        return EXIT_USAGE
+        raise Failure(problem, EXIT_USAGE)
+    memory = memory_option(args.memory, "auto")
+    opened = open_model(args.model_dir, memory=memory, context=len(args.ids) + args.gen, threads=args.threads,
+                        lookahead=args.lookahead, scalar=args.scalar, tokenizer=False)
+    model = opened.model
     bad = [i for i in args.ids if i >= model.vocab]
     if bad:
-        _err(f"--ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})")
-        return EXIT_USAGE
+        raise Failure(f"--ids has ids {bad[:5]} outside the vocabulary [0, {model.vocab})", EXIT_USAGE)
     generated: list[int] = []
     per_token: list[dict[str, Any]] = []
     prefill_stats: dict[str, int] = {}
-    prefill_s = 0.0
-    logits_first: list[float] = []
+    timing = {"prefill": 0.0}
+    logits_first: list[float | None] = []
     step_seconds: list[float] = []
-    interrupted = False
+    cancel = CancelFlag()
     code = EXIT_OK
     error: str | None = None
-    with _StopRequest() as stop:
-        try:
-            session = model.session(len(args.ids) + args.gen)
-            t0 = time.perf_counter()
+    if signals.requested.is_set():
+        raise KeyboardInterrupt
+
+    def decode() -> None:
+        session = model.session(len(args.ids) + args.gen)
+        t0 = time.perf_counter()
+        before = model.stats()
+        logits = session.feed(args.ids, cancel=cancel)
+        timing["prefill"] = time.perf_counter() - t0
+        prefill_stats.update(stats_delta(before, model.stats()))
+        # standard JSON has no Infinity/NaN: a non-finite logit is written as null (and fails below)
+        logits_first.extend(float(x) if np.isfinite(x) else None for x in logits)
+        for step in range(args.gen):
+            tok = greedy(logits)
+            generated.append(tok)
+            if signals.requested.is_set() or step + 1 == args.gen:
+                break
+            t = time.perf_counter()
             before = model.stats()
-            logits = session.feed(args.ids)
-            prefill_s = time.perf_counter() - t0
-            prefill_stats = stats_delta(before, model.stats())
-            # standard JSON has no Infinity/NaN: a non-finite logit is written as null (and fails below)
-            logits_first = [float(x) if np.isfinite(x) else None for x in logits]
-            for step in range(args.gen):
-                tok = greedy(logits)
-                generated.append(tok)
-                if stop.requested.is_set():
-                    interrupted = True
-                    break
-                if step + 1 == args.gen:
-                    break
-                t = time.perf_counter()
-                before = model.stats()
-                logits = session.feed([tok])
-                step_seconds.append(time.perf_counter() - t)
-                per_token.append(_token_row(step_seconds[-1], stats_delta(before, model.stats())))
-        except ExpertReadError as exc:
-            error, code = str(exc), EXIT_EXPERT_IO
-        except (EngineError, FloatingPointError, MemoryError) as exc:
-            error, code = str(exc), EXIT_RUNTIME
+            logits = session.feed([tok], cancel=cancel)
+            step_seconds.append(time.perf_counter() - t)
+            per_token.append(_token_row(step_seconds[-1], stats_delta(before, model.stats())))
+
+    signals.policy.bind(abort_step=cancel.set)
+    try:
+        _in_worker(decode)
+    except Cancelled:
+        pass  # the second Ctrl-C stopped a step: what was generated before it is written
+    except ExpertReadError as exc:
+        error, code = str(exc), EXIT_EXPERT_IO
+    except (EngineError, FloatingPointError, MemoryError) as exc:
+        error, code = str(exc), EXIT_RUNTIME
+    interrupted = signals.requested.is_set()
+    signals.policy.finish()
     if interrupted and code == EXIT_OK:
         code = EXIT_INTERRUPTED
     payload = {
@@ -167,10 +126,10 @@ def run_ids(args: argparse.Namespace) -> int:
         "generated_ids": generated,
         "logits_first": logits_first,
         "seconds_per_token": (sum(step_seconds) / len(step_seconds)) if step_seconds else None,
-        "prefill_seconds": prefill_s if logits_first else None,
+        "prefill_seconds": timing["prefill"] if logits_first else None,
         "interrupted": interrupted,
         "error": error,
-        "threads": threads,
+        "threads": opened.threads,
         "simd": model.simd_active,
         "stats": model.stats(),
         "prefill_stats": prefill_stats,

@@ -41,9 +41,10 @@ from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, Session
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
+from k3chat.runtime import AFTER_STEP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, Failure, StopPolicy
 from k3chat.settings import Settings
 
-from .engine import Engine, EngineFactory, EngineOpenError, open_engine, plan_summary
+from .engine import Engine, EngineFactory, open_engine, plan_summary
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen
 from .screens.help import HelpScreen
@@ -55,10 +56,6 @@ from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 5
 QUIT_WINDOW = 5.0  # seconds in which a second ctrl+c quits
 STREAM_INTERVAL = 0.03  # seconds: streamed text is drawn at most this often (per batch)
 HANGUP_WAIT = 300.0  # after SIGHUP, how long the step in flight may take before we exit anyway
@@ -139,8 +136,7 @@ class K3ChatApp(App[int]):
         self._turn_worker: Any = None
         self._quitting = False
         self._closed = False
-        self._cancel_requested = False
-        self._aborted = False
+        self._stop = StopPolicy(exit_now=self._force_exit)  # the running turn's (runtime's policy)
         self._armed_at: float | None = None
         self._return_code = EXIT_OK
         self._signals: list[int] = []
@@ -267,8 +263,8 @@ class K3ChatApp(App[int]):
             engine = self.engine_factory(Path(self.model_dir), self.settings, self._progress)
             if self.demo:
                 engine.name = DEMO_NAME
-        except EngineOpenError as exc:
-            self._ui(self._load_failed, str(exc), EXIT_USAGE if exc.usage else EXIT_RUNTIME)
+        except Failure as exc:
+            self._ui(self._load_failed, exc.message, exc.code)
             return
         except Exception as exc:
             self._ui(self._load_failed, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
@@ -461,8 +457,7 @@ class K3ChatApp(App[int]):
 
     async def _start_turn(self, kind: str, text: str | None) -> None:
         self.busy = True
-        self._cancel_requested = False
-        self._aborted = False
+        self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
         await self.chat.begin_turn(kind, text, thinking=self.thinking)
@@ -581,7 +576,7 @@ class K3ChatApp(App[int]):
         await self.chat.turn_over()
         self.busy = False
         self.turns_over += 1
-        if self._cancel_requested:
+        if self._stop.requested.is_set():
             self._armed_at = time.monotonic()  # a second ctrl+c from now on quits
         if self.session is not None:
             self.pending_name = None
@@ -614,16 +609,12 @@ class K3ChatApp(App[int]):
             return
         now = time.monotonic()
         if self.busy:
-            if not self._cancel_requested:
-                self._cancel_requested = True
+            if self._stop_turn() == AFTER_STEP:
                 self._armed_at = now
-                if self.conv is not None:
-                    self.conv.cancel()
                 self.chat.status.set_phase("stopping after the step in flight")
                 self.say("Stopping after the step in flight; the partial answer is kept. "
                          "ctrl+c again saves and quits.")
-            else:  # the second ctrl+c: stop the step in flight as well, save, quit
-                self._abort_turn()
+            else:  # the second ctrl+c stopped the step in flight as well: save, quit
                 await self._save_and_quit(None)
             return
         if self._armed_at is not None and now - self._armed_at <= QUIT_WINDOW:
@@ -635,27 +626,25 @@ class K3ChatApp(App[int]):
     async def action_quit(self) -> None:
         await self._save_and_quit(None)
 
-    def _abort_turn(self) -> bool:
-        """Stop the step in flight too (Conversation.abort: the partial answer is still saved,
-        the engine state is not). False if there is nothing (more) to abort."""
+    def _stop_turn(self) -> int:
+        """One more stop request for the running turn (runtime.StopPolicy): 1 stops it after
+        the step in flight, 2 aborts the step in flight too (Conversation.abort: the partial
+        answer is still saved, the engine state is not), 3 quits at once. Returns the level."""
         conv = self.conv
-        if self._aborted or conv is None or not self.busy:
-            return False
-        self._aborted = True
-        getattr(conv, "abort", conv.cancel)()
-        return True
+        if conv is not None and not self._stop.requested.is_set():
+            self._stop.bind(after_step=conv.cancel, abort_step=getattr(conv, "abort", conv.cancel))
+        return self._stop.request()
 
     async def _save_and_quit(self, code: int | None) -> None:
         if self._quitting:
             # Asked again while the turn finishes: stop the step in flight, then quit at once.
-            if self.busy and not self._abort_turn():
-                self._force_exit()
+            if self.busy:
+                self._stop_turn()
             return
         self._quitting = True
         if self.busy and self._turn_worker is not None:
-            self._cancel_requested = True
-            if self.conv is not None:
-                self.conv.cancel()
+            if not self._stop.requested.is_set():
+                self._stop_turn()
             self.chat.show_progress("Saving: the step in flight finishes, then the partial answer is stored "
                                     "(press again to stop the step now)")
             try:
@@ -729,8 +718,8 @@ class K3ChatApp(App[int]):
             os._exit(EXIT_INTERRUPTED)
         self._closed = True
         self._quitting = True
-        if not self._job_done.is_set() and self.conv is not None:
-            self.conv.cancel()
+        if not self._job_done.is_set() and self.conv is not None and not self._stop.requested.is_set():
+            self._stop_turn()
 
         def finish() -> None:
             self._job_done.wait(HANGUP_WAIT)

@@ -15,17 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from k3chat import paths
+from k3chat.runtime import Failure, open_model
 from k3chat.settings import Settings
 
 Progress = Callable[[str], None]
 
-class EngineOpenError(Exception):
-    """The model could not be opened; the message is for the user. ``usage`` is True when the
-    cause is the command line or the checkpoint (exit 2), False for a runtime failure."""
-
-    def __init__(self, message: str, *, usage: bool = True) -> None:
-        super().__init__(message)
-        self.usage = usage
+# The model could not be opened: runtime.Failure, whose message is for the user and whose
+# code is the exit code (2 when the command line or the checkpoint is at fault).
+EngineOpenError = Failure
 
 
 @dataclass
@@ -70,36 +67,14 @@ def plan_summary(engine: Engine) -> str:
 
 def open_engine(model_dir: Path, settings: Settings, progress: Progress, *, memory: str | None = None,
                 threads: int | None = None, context: int | None = None) -> Engine:
-    """Plan and open ``model_dir`` under the memory budget; raise EngineOpenError with the reason."""
-    from k3engine.budgeted import open_budgeted
-    from k3engine.errors import CheckpointError
-    from k3engine.model import EngineError
-    from k3engine.planner import DEFAULT_CONTEXT, PlanError
-    from k3engine.sizes import MemorySizeError
-
-    from k3chat.tokenizer import Tokenizer, TokenizerError
+    """Plan and open ``model_dir`` under the memory budget, exactly as `k3chat run` does
+    (runtime.open_model); a failure is a runtime.Failure with the reason and the exit code."""
+    from k3engine.planner import DEFAULT_CONTEXT
 
     memory = memory or settings.memory
-    n_threads = min(threads or os.cpu_count() or 1, 64)
-    progress(f"Planning memory ({memory}) and opening {model_dir}")
-    try:
-        opened = open_budgeted(model_dir, memory=memory, context=context or DEFAULT_CONTEXT, threads=n_threads)
-    except (PlanError, MemorySizeError) as exc:
-        raise EngineOpenError(str(exc)) from exc
-    except CheckpointError as exc:
-        raise EngineOpenError(f"cannot open {model_dir}: {exc}") from exc
-    except FileNotFoundError as exc:
-        raise EngineOpenError(str(exc)) from exc
-    except EngineError as exc:
-        raise EngineOpenError(f"the engine refused {model_dir}: {exc}", usage=False) from exc
-    progress("Loading the tokenizer")
-    try:
-        tokenizer = Tokenizer.from_dir(model_dir)
-        tokenizer.engine_vocab_check(opened.model.config.vocab)
-    except TokenizerError as exc:
-        opened.model.close()
-        raise EngineOpenError(f"tokenizer in {model_dir}: {exc}") from exc
+    opened = open_model(model_dir, memory=memory, context=context or DEFAULT_CONTEXT, threads=threads,
+                        progress=progress)
     # N_ctx: the context the memory plan was made for (the Conversation must not outgrow it)
-    planned = opened.plan.context if opened.plan is not None else context
-    return Engine(model=opened.model, tokenizer=tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,
+    planned = opened.context if opened.plan is not None else context
+    return Engine(model=opened.model, tokenizer=opened.tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,
                   plan=opened.plan, memory=memory, context=planned)

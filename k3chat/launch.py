@@ -1,0 +1,36 @@
+"""The `k3chat` console script's entry point, kept apart from k3chat.cli on purpose.
+
+Python turns a Ctrl-C into KeyboardInterrupt from its first instruction, so a Ctrl-C while
+the interpreter is still importing our modules (the first tens of milliseconds) used to end
+in a traceback. This module installs a quiet handler before importing anything else of ours:
+until a command installs its own handling (runtime.SignalStops, the app's), a SIGINT exits 5
+with one line. Nothing has been done yet at that point, so exiting at once loses nothing.
+Only the console script imports this module: importing k3chat as a library changes no
+signal handling.
+"""
+
+import os
+import signal
+import sys
+
+
+def _early_interrupt(signum, frame):  # noqa: ANN001 - a signal handler
+    try:
+        os.write(2, b"\nk3chat: interrupted before anything started; nothing was changed\n")
+    finally:
+        os._exit(5)
+
+
+signal.signal(signal.SIGINT, _early_interrupt)
+
+
+def main() -> int:
+    from k3chat.cli import main as cli_main
+
+    # From here on KeyboardInterrupt is handled by the command (cli.main catches it too).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
