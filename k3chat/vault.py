@@ -66,9 +66,10 @@ Does not protect:
 - a live compromised account or machine: while k3chat runs the key is in its memory, the
   passphrase can be keylogged, and the account can read the terminal and the process;
 - metadata: the number of sessions and their ids (which contain their creation time, UTC to the
-  second), file sizes (each record's length is visible to within a few bytes, a state file's to
-  within 28 bytes per MiB), the number of records per session, file times, and whether
-  encryption is on;
+  second), which sessions have an engine state file, file sizes (each record's length is visible
+  to within 3 bytes, so roughly the length of each message; a state file's to within 28 bytes
+  per MiB, so roughly the conversation's length in tokens), the number of records and renames
+  per session, file times (when each session was last written), and that encryption is on;
 - plaintext written before ``encrypt``: converting replaces each file by rename, but the old
   blocks stay on the disk until reused (SSDs, journaling and copy-on-write file systems keep
   copies); only history written after ``encrypt`` never reaches the disk in plaintext;

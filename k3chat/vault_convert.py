@@ -105,7 +105,7 @@ def decrypt_history() -> Conversion | None:
 
 @contextmanager
 def _index_locked(root: Path) -> Iterator[None]:
-    # The store's own index lock: appends by an older process wait until the pass is over.
+    # The store's own index lock (history.HistoryStore._index_lock).
     fd = paths.private_open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -120,16 +120,18 @@ def _convert_sessions(root: Path, vault: Vault, *, seal: bool, report: Conversio
     paths.ensure_private_dir(root)
     # Temp copies left by writers that died hold the old form (plaintext, for encrypt).
     paths.sweep_temps(root)
+    # Each file under its own append lock only: an appender holds that lock while it waits for
+    # the index lock, so holding the index lock here meanwhile could deadlock with it.
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        session_id = entry.name[: -len(SUFFIX)]
+        if not (entry.name.endswith(SUFFIX) and _ID_RE.fullmatch(session_id)
+                and entry.is_file(follow_symlinks=False)):
+            continue
+        if _convert_session_file(Path(entry.path), session_id, vault, seal=seal, report=report):
+            report.sessions += 1
+        else:
+            report.sessions_skipped += 1
     with _index_locked(root):
-        for entry in sorted(os.scandir(root), key=lambda e: e.name):
-            session_id = entry.name[: -len(SUFFIX)]
-            if not (entry.name.endswith(SUFFIX) and _ID_RE.fullmatch(session_id)
-                    and entry.is_file(follow_symlinks=False)):
-                continue
-            if _convert_session_file(Path(entry.path), session_id, vault, seal=seal, report=report):
-                report.sessions += 1
-            else:
-                report.sessions_skipped += 1
         try:
             os.unlink(root / INDEX_NAME)  # a cache in the old form: rebuilt by the caller
         except FileNotFoundError:

@@ -294,6 +294,27 @@ def test_a_sealed_index_without_its_key_file_is_left_alone(home: Path) -> None:
     assert index.read_bytes() == sealed
 
 
+def test_an_append_that_waited_while_its_file_was_converted_writes_nothing(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cheap_vault()
+    store = open_store()
+    sid = conversation(store)
+    path = store.root / f"{sid}.jsonl"
+    real_flock = history.fcntl.flock
+    replaced: list[int] = []
+
+    def flock(fd: int, op: int) -> None:
+        if not replaced and os.fstat(fd).st_ino == path.stat().st_ino:
+            replaced.append(fd)
+            paths.atomic_write(path, path.read_bytes())  # `sessions encrypt` got there first
+        real_flock(fd, op)
+
+    monkeypatch.setattr(history.fcntl, "flock", flock)
+    with pytest.raises(HistoryError, match="replaced or deleted while saving; nothing was written"):
+        store.append(sid, {"role": "assistant", "content": "lost?"})
+    assert replaced and len(open_store().load(sid).records) == 3
+
+
 # --------------------------------------------------------------------------- state files
 
 
