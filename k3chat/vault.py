@@ -527,7 +527,8 @@ def unlock_if_enabled(key_file: Path) -> Vault | None:
     _read_key_file(key_file)  # a damaged key file is said before the passphrase is asked
     for attempt in range(1, TERMINAL_TRIES + 1):
         try:
-            return unlock(key_file, ask_terminal("k3chat: passphrase for the encrypted history: "))
+            return unlock(key_file, ask_terminal("k3chat: passphrase for the encrypted history: ",
+                                                 purpose="the history is encrypted"))
         except WrongPassphrase:
             if attempt == TERMINAL_TRIES:
                 raise
@@ -563,21 +564,21 @@ def passphrase_from_file() -> str:
     return text
 
 
-def _open_terminal() -> None:
+def _open_terminal(purpose: str) -> None:
     try:
         fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
-        raise VaultError(f"the history is encrypted and there is no terminal to ask for its passphrase: "
-                         f"set {PASSPHRASE_ENV} to a file (mode 0600) that holds it") from None
+        raise VaultError(f"{purpose} and there is no terminal to ask for it: set {PASSPHRASE_ENV} to a "
+                         "file (mode 0600) that holds it") from None
     os.close(fd)
 
 
-def ask_terminal(prompt: str) -> str:
+def ask_terminal(prompt: str, *, purpose: str = "a passphrase is needed") -> str:
     """Read a passphrase on the terminal without echo (getpass reads /dev/tty)."""
     import getpass
     import warnings
 
-    _open_terminal()
+    _open_terminal(purpose)
     with warnings.catch_warnings():
         warnings.simplefilter("error", getpass.GetPassWarning)  # never fall back to an echoing stdin
         try:
@@ -602,11 +603,13 @@ def new_passphrase() -> str:
     if os.environ.get(PASSPHRASE_ENV):
         passphrase = passphrase_from_file()
     else:
-        passphrase = ask_terminal("k3chat: new passphrase for the history: ")
+        passphrase = ask_terminal("k3chat: new passphrase for the history: ",
+                                  purpose="`sessions encrypt` needs a new passphrase")
         problem = _passphrase_problem(passphrase)
         if problem is not None:
             raise VaultError(f"{problem}; nothing was changed")
-        if ask_terminal("k3chat: the same passphrase again: ") != passphrase:
+        again = ask_terminal("k3chat: the same passphrase again: ", purpose="the passphrase is asked twice")
+        if again != passphrase:
             raise VaultError("the two passphrases differ; nothing was changed")
     problem = _passphrase_problem(passphrase)
     if problem is not None:

@@ -191,22 +191,34 @@ def test_terminal_is_asked_once_per_process_and_three_times_at_most(home: Path,
     monkeypatch.delenv(PASSPHRASE_ENV)
     answers = iter(["wrong one!", PASSPHRASE])
     asked: list[str] = []
-    monkeypatch.setattr(vault, "ask_terminal", lambda prompt: asked.append(prompt) or next(answers))
+    monkeypatch.setattr(vault, "ask_terminal", lambda prompt, **kw: asked.append(prompt) or next(answers))
     monkeypatch.setattr(vault, "_UNLOCKED", {})
     first, second = open_store(), open_store()
     assert first.vault is second.vault is not None and len(asked) == 2  # one wrong try, then right
     monkeypatch.setattr(vault, "_UNLOCKED", {})
-    monkeypatch.setattr(vault, "ask_terminal", lambda prompt: asked.append(prompt) or "still wrong")
+    monkeypatch.setattr(vault, "ask_terminal", lambda prompt, **kw: asked.append(prompt) or "still wrong")
     with pytest.raises(WrongPassphrase):
         open_store()
     assert len(asked) == 2 + vault.TERMINAL_TRIES
+
+
+def test_a_new_passphrase_is_asked_twice_and_must_match(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PASSPHRASE_ENV)
+    typed = iter([PASSPHRASE, PASSPHRASE + "!"])
+    monkeypatch.setattr(vault, "ask_terminal", lambda prompt, **kw: next(typed))
+    with pytest.raises(VaultError, match="the two passphrases differ; nothing was changed"):
+        vault_convert.encrypt_history()
+    assert not key_file().exists()
+    typed = iter([PASSPHRASE, PASSPHRASE])
+    assert vault_convert.encrypt_history().created_key and key_file().exists()
 
 
 def test_no_terminal_and_no_passphrase_file_is_a_usage_error(home: Path) -> None:
     cheap_vault()
     r = k3chat(home, "sessions", "list", stdin=subprocess.DEVNULL, start_new_session=True)  # no tty
     assert r.returncode == 2, r.stderr
-    assert "no terminal to ask for its passphrase" in r.stderr and PASSPHRASE_ENV in r.stderr
+    assert "the history is encrypted and there is no terminal to ask for it" in r.stderr
+    assert PASSPHRASE_ENV in r.stderr
 
 
 # --------------------------------------------------------------------------- the history store
@@ -517,7 +529,7 @@ def test_the_app_asks_before_it_starts_and_writes_sealed_records(home: Path,
     cheap_vault()
     monkeypatch.delenv(PASSPHRASE_ENV)
     asked: list[str] = []
-    monkeypatch.setattr(vault, "ask_terminal", lambda prompt: asked.append(prompt) or PASSPHRASE)
+    monkeypatch.setattr(vault, "ask_terminal", lambda prompt, **kw: asked.append(prompt) or PASSPHRASE)
     monkeypatch.setattr(vault, "_UNLOCKED", {})  # a new process: nothing unlocked yet
     app = build_app(None, settings=Settings(max_tokens=64, thinking=False), demo=True, threads=2)
     assert len(asked) == 1 and app.store.vault is not None  # before the screen exists
