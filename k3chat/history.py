@@ -821,7 +821,7 @@ class HistoryStore:
             return self.vault.open_line(data, kind=KIND_INDEX, binding="")
         if has_sealed_line(data):
             raise _SealedWithoutKey(f"the history index {self.root / INDEX_NAME} is encrypted but the key "
-                               f"file {key_file_beside(self.root)} is missing; restore it to read the history")
+                                    f"file {key_file_beside(self.root)} is missing; restore it to read the history")
         return data
 
     def _session_files(self) -> dict[str, int]:
@@ -851,11 +851,11 @@ class HistoryStore:
         return data, st
 
     def _check_sealing(self, session_id: str, data: bytes) -> None:
-        """Refuse a file in the other mode than the store: never read or extend it as if."""
+        """Refuse a file in the other form than the store's: never read or extend it wrongly."""
         sealed = has_sealed_line(data)
         if self.vault is None and sealed:
             raise _SealedWithoutKey(f"session {session_id!r} is encrypted but the key file "
-                               f"{key_file_beside(self.root)} is missing; restore it to read the session")
+                                    f"{key_file_beside(self.root)} is missing; restore it to read the session")
         if self.vault is not None and data and not sealed:
             command = "decrypt" if self.vault.state == STATE_DECRYPTING else "encrypt"
             raise HistoryError(f"session {session_id!r} is not encrypted although the history is: an "

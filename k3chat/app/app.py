@@ -309,7 +309,8 @@ class K3ChatApp(App[int]):
         engine = self.engine
         assert engine is not None
         s = self.settings
-        conv = Conversation(engine.model, engine.tokenizer, HistoryStore(self.store.root, vault=self.store.vault), session_id,
+        store = HistoryStore(self.store.root, vault=self.store.vault)
+        conv = Conversation(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
                             context=engine.context, model_name=engine.model_dir.name,
                             **engine.conversation_options)
