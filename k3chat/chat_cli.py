@@ -37,10 +37,11 @@ from typing import Any, Callable
 
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name
+from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
 from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
                       SignalStops, memory_option, open_model)
 from .runtime import say as _err
+from .vault import VaultError
 
 
 def usage_error(message: str) -> int:
@@ -138,7 +139,7 @@ def _run_settings(args: argparse.Namespace) -> Any:
 
 
 def _open_store() -> HistoryStore:
-    return HistoryStore()
+    return open_store()  # unlocks an encrypted history (the passphrase, once per process)
 
 
 def find_session(store: HistoryStore, ref: str) -> SessionInfo | None:
@@ -340,6 +341,8 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     try:
         store = _open_store()
         info, system = _prepare_session(store, args)
+    except VaultError as exc:
+        return _fail(str(exc), exc.exit_code)
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(f"cannot open the history: {exc}")
 
@@ -476,11 +479,15 @@ def sessions_main(args: argparse.Namespace) -> int:
     _tolerant_streams()
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
                "rename": _sessions_rename, "rm": _sessions_rm}
+    if args.action in ("encrypt", "decrypt"):
+        return _sessions_convert(args.action)
     try:
         store = _open_sessions_store()
         return actions[args.action](store, args)
     except _Usage as exc:
         return usage_error(str(exc))
+    except VaultError as exc:
+        return _fail(str(exc), exc.exit_code)
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:
@@ -546,6 +553,8 @@ def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
     if args.output:
         paths.atomic_write(Path(args.output), text.encode("utf-8"))
         _err(f"wrote {args.output} (mode 0600)")
+        if store.vault is not None:
+            _err(f"note: {args.output} is plaintext: the history is encrypted, this export is not")
     else:
         _stdout(text)
     return code
@@ -580,6 +589,45 @@ def _sessions_rm(store: HistoryStore, args: argparse.Namespace) -> int:
     delete_state(info.id)  # the state file and its temp copies
     _err(f"deleted session {info.name!r} ({info.id})")
     return EXIT_OK
+
+
+def _sessions_convert(action: str) -> int:
+    """`sessions encrypt` / `sessions decrypt`: the whole history, one atomic file at a time."""
+    from . import paths
+    from .vault_convert import decrypt_history, encrypt_history
+
+    try:
+        if action == "encrypt":
+            report = encrypt_history()
+        else:
+            done = decrypt_history()
+            if done is None:
+                _err("the history is not encrypted; nothing to do")
+                return EXIT_OK
+            report = done
+    except VaultError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except (HistoryError, paths.UnsafePathError, OSError) as exc:
+        return _fail(f"{action} stopped: {exc}; every file is either converted or as it was: fix the "
+                     f"cause and run `k3chat sessions {action}` again")
+    except KeyboardInterrupt:
+        return _fail(f"interrupted: every file is either converted or as it was; run `k3chat sessions "
+                     f"{action}` again to finish", EXIT_INTERRUPTED)
+    for note in report.notes:
+        _err(f"warning: {note}")
+    _err(_conversion_summary(action, report))
+    return EXIT_OK
+
+
+def _conversion_summary(action: str, report: Any) -> str:
+    done = f"{action}ed {report.sessions} session(s) and {report.states} engine state file(s)"
+    skipped = report.sessions_skipped + report.states_skipped
+    if skipped:
+        done += f" ({skipped} file(s) were already {action}ed)"
+    if action == "decrypt":
+        return done + "; the history is plaintext again and the key file is removed"
+    return (done + "; from now on every command asks for the passphrase (or reads K3CHAT_PASSPHRASE_FILE). "
+            "Copies of the replaced plaintext files may remain in the disk's free space")
 
 
 __all__ = ["run_chat", "sessions_main", "default_model_dir", "usage_error", "find_session"]

@@ -83,7 +83,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("sessions", help="list, show, export, rename or delete saved conversations")
+    s = sub.add_parser("sessions", help="list, show, export, rename, delete or encrypt saved conversations")
     ss = s.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = ss.add_parser("list", help="all sessions, most recent first")
     ls.add_argument("--json", action="store_true", help="print JSON")
@@ -100,6 +100,9 @@ def _add_sessions(sub: argparse._SubParsersAction) -> None:
     rm = ss.add_parser("rm", help="delete a session and its saved engine state")
     rm.add_argument("session", help="session id or name")
     rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    ss.add_parser("encrypt", help="encrypt the history at rest under a new passphrase (asked twice, or "
+                                  "K3CHAT_PASSPHRASE_FILE); converts every session; run again to resume")
+    ss.add_parser("decrypt", help="turn encryption off: convert the whole history back to plaintext")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -202,12 +205,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .app import AppUsageError, build_app
     from .history import HistoryError
     from .paths import UnsafePathError
+    from .vault import VaultError
 
     try:
         app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
                         session=args.session, memory=memory, threads=args.threads, context=args.context)
     except AppUsageError as exc:
         return usage_error(str(exc))
+    except VaultError as exc:  # the passphrase is asked here, before the screen starts
+        print(f"k3chat: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("k3chat: interrupted before the app started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (HistoryError, UnsafePathError, OSError) as exc:
         print(f"k3chat: cannot open the history: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

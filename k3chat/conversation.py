@@ -572,7 +572,7 @@ class Conversation:
         path = state_path(self.session_id)
         has_history = any(r.get("role") == "assistant" for r in self._records)
         try:
-            sf = statefile.load_state(path, fingerprint=self.fingerprint)
+            sf = statefile.load_state(path, fingerprint=self.fingerprint, vault=self.store.vault)
         except statefile.StateFileError as exc:
             if exc.reason == statefile.MISSING:
                 return None, None, ("no saved engine state for this session; prefilling the history"
@@ -881,7 +881,7 @@ class Conversation:
             payload = self._live.export_state()  # the one extra copy, dropped right after
             try:
                 statefile.save_state(path, payload, fingerprint=self.fingerprint, n_tokens=len(self._fed or []),
-                                     cancel=self._aborted.is_set)
+                                     cancel=self._aborted.is_set, vault=self.store.vault)
             finally:
                 del payload
             result.state_saved = True

@@ -14,6 +14,13 @@ Layout under the store root (default ``<data dir>/sessions``, 0700):
 
 Each session file is also flock'ed while it is appended to, so the "truncate back after a
 failed write" rollback can never cut another writer's line.
+
+Encryption at rest (opt-in, see k3chat/vault.py): a store opened with a vault (``open_store``
+does when ``vault.json`` sits beside the root) writes every line of a session file, header
+included, and the index as sealed JSON lines; the layout above is unchanged and only the byte
+I/O functions know. A line that fails its tag is reported and skipped like any damaged line.
+A store never mixes modes: an encrypted session read without the key, or a plaintext one read
+with it (a conversion that did not finish), is refused with what to run.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -36,6 +43,8 @@ from typing import Any
 
 from k3chat import paths
 from k3chat.display import for_terminal, json_safe
+from k3chat.vault import (KIND_INDEX, KIND_SESSION, STATE_DECRYPTING, STATE_ON, SealError, Vault, has_sealed_line,
+                          key_file_beside, unlock_if_enabled)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,10 @@ class HistoryError(Exception):
 
 class AmbiguousSession(HistoryError):
     """A session name that several sessions share: the caller must use an id."""
+
+
+class _SealedWithoutKey(HistoryError):
+    """An encrypted file met by a store without the key."""
 
 
 @dataclass(frozen=True)
@@ -372,11 +385,19 @@ def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
         parsed.model = obj["model"]
 
 
-def _parse_file(data: bytes) -> _Parsed:
+def _parse_file(data: bytes, unseal: Callable[[bytes], bytes] | None = None) -> _Parsed:
+    """``unseal`` opens each line of an encrypted file (SealError: reported and skipped)."""
     parsed = _Parsed([], [], None, None, None, None, ends_with_newline=data.endswith(b"\n") or not data)
     lines = data.split(b"\n")
     incomplete = lines.pop()  # b"" when the file ends with a newline
     for number, raw in enumerate(lines, start=1):
+        if unseal is not None:
+            try:
+                raw = unseal(raw)
+            except SealError as exc:
+                parsed.skipped += 1
+                parsed.problems.append(f"line {number}: {exc}, skipped")
+                continue
         _parse_line(raw, number, parsed)
     if incomplete:
         parsed.problems.append(
@@ -406,10 +427,15 @@ class _Tail:
 class HistoryStore:
     """Sessions on disk. Safe for several processes; not for several threads on one instance."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, vault: Vault | None = None) -> None:
         if root is None:
             paths.ensure_private_dir(paths.data_dir())
             root = paths.data_dir() / "sessions"
+        if vault is None and key_file_beside(Path(root)).exists():
+            # Never write plaintext into an encrypted history (open_store unlocks it).
+            raise HistoryError(f"the history in {root} is encrypted: open it with its passphrase "
+                               "(history.open_store)")
+        self.vault = vault
         self.root = paths.ensure_private_dir(Path(root))
         self._tails: dict[str, _Tail] = {}
         # Temp files of writers that died mid-write hold conversation text: remove them.
@@ -427,7 +453,7 @@ class HistoryStore:
             session_id = self._new_id(now)
             header: dict[str, Any] = {META_KEY: "session", "version": FORMAT_VERSION, "id": session_id,
                                       "name": name, "created": now, "model": model}
-            line = _encode_line(header)
+            line = self._sealed(session_id, _encode_line(header))
             try:
                 # Atomic, so a session file never exists without its complete header.
                 paths.atomic_write(self._path(session_id), line)
@@ -482,7 +508,7 @@ class HistoryStore:
     def load(self, session_id: str) -> LoadedSession:
         _check_id(session_id)
         data, st = self._read(session_id)
-        parsed = _parse_file(data)
+        parsed = _parse_file(data, self._unsealer(session_id))
         created = parsed.created if parsed.created is not None else st.st_mtime
         info = SessionInfo(session_id, parsed.name or session_id, created, st.st_mtime,
                            len(parsed.records), parsed.model)
@@ -509,7 +535,7 @@ class HistoryStore:
         if not _is_count(n_records):
             raise HistoryError(f"truncate needs a record count >= 0, got {n_records!r}")
         data, _ = self._read(session_id)
-        parsed = _parse_file(data)
+        parsed = _parse_file(data, self._unsealer(session_id))
         current = len(parsed.records)
         if n_records > current:
             raise HistoryError(f"session {session_id!r} has {current} records, cannot keep {n_records}")
@@ -625,6 +651,11 @@ class HistoryStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             st = os.fstat(fd)
+            if st.st_nlink == 0:
+                # Replaced while we waited for the lock (sessions encrypt/decrypt, or deleted):
+                # writing to the old inode would lose the line.
+                raise HistoryError(f"session {session_id!r} was replaced or deleted while saving; "
+                                   "nothing was written, try again")
             tail = self._tail(session_id, st)
             seq = tail.last_seq
             if role is not None:
@@ -635,6 +666,7 @@ class HistoryStore:
                 obj = _ordered({**obj, "seq": seq})
             line = _encode_line(obj)
             written = json.loads(line)  # exactly what load() will return for this line
+            line = self._sealed(session_id, line)
             if not tail.ends_with_newline:
                 # A crash left a partial line: end it so it stays one reported, skipped line
                 # instead of swallowing this record too.
@@ -677,7 +709,7 @@ class HistoryStore:
         if cached is not None and cached.key == (st.st_ino, st.st_size):
             return cached
         data, _ = self._read(session_id)
-        parsed = _parse_file(data[: st.st_size])
+        parsed = _parse_file(data[: st.st_size], self._unsealer(session_id))
         tail = _Tail((st.st_ino, st.st_size), parsed.last_role, parsed.ends_with_newline, parsed.last_seq)
         self._tails[session_id] = tail
         return tail
@@ -760,14 +792,16 @@ class HistoryStore:
         with os.fdopen(fd, "rb") as f:
             data = f.read()
         try:
-            doc = json.loads(data)
+            doc = json.loads(self._open_index(data))
             entries = doc["sessions"]
             if doc.get("version") != FORMAT_VERSION or not isinstance(entries, dict):
                 raise ValueError("unknown index layout")
             for session_id, entry in entries.items():
                 _check_id(session_id)
                 _info(session_id, entry)  # raises on any missing or mistyped field
-        except (ValueError, KeyError, TypeError, HistoryError) as exc:
+        except _SealedWithoutKey:
+            raise  # not damaged: rebuilding it without the key would lose nothing but help no one
+        except (ValueError, KeyError, TypeError, HistoryError, SealError) as exc:
             log.warning("history index %s is damaged (%s); rebuilding it from the sessions",
                         self.root / INDEX_NAME, exc)
             return None
@@ -775,7 +809,20 @@ class HistoryStore:
 
     def _store_index(self, entries: dict[str, dict[str, Any]]) -> None:
         doc = {"version": FORMAT_VERSION, "sessions": entries}
-        paths.atomic_write(self.root / INDEX_NAME, json.dumps(doc, ensure_ascii=False, indent=1).encode())
+        data = json.dumps(doc, ensure_ascii=False, indent=1).encode()
+        if self.vault is not None:
+            data = self.vault.seal_line(data, kind=KIND_INDEX, binding="")
+        paths.atomic_write(self.root / INDEX_NAME, data)
+
+    def _open_index(self, data: bytes) -> bytes:
+        """The index's JSON text; SealError (rebuilt) if a sealed index cannot be opened."""
+        if self.vault is not None:
+            # A plaintext index here is left from before `encrypt`: rebuilt, and so sealed.
+            return self.vault.open_line(data, kind=KIND_INDEX, binding="")
+        if has_sealed_line(data):
+            raise _SealedWithoutKey(f"the history index {self.root / INDEX_NAME} is encrypted but the key "
+                                    f"file {key_file_beside(self.root)} is missing; restore it to read the history")
+        return data
 
     def _session_files(self) -> dict[str, int]:
         """Session id -> file size, for every well-named session file."""
@@ -799,7 +846,32 @@ class HistoryStore:
         except OSError as exc:
             raise HistoryError(f"could not read session {session_id!r}: {_reason(exc)}") from exc
         with os.fdopen(fd, "rb") as f:
-            return f.read(), os.fstat(f.fileno())
+            data, st = f.read(), os.fstat(f.fileno())
+        self._check_sealing(session_id, data)
+        return data, st
+
+    def _check_sealing(self, session_id: str, data: bytes) -> None:
+        """Refuse a file in the other form than the store's: never read or extend it wrongly."""
+        sealed = has_sealed_line(data)
+        if self.vault is None and sealed:
+            raise _SealedWithoutKey(f"session {session_id!r} is encrypted but the key file "
+                                    f"{key_file_beside(self.root)} is missing; restore it to read the session")
+        if self.vault is not None and data and not sealed:
+            command = "decrypt" if self.vault.state == STATE_DECRYPTING else "encrypt"
+            raise HistoryError(f"session {session_id!r} is not encrypted although the history is: an "
+                               f"earlier `k3chat sessions {command}` did not finish; run it again")
+
+    def _sealed(self, session_id: str, line: bytes) -> bytes:
+        """``line`` (ending in a newline) as it goes to the session file."""
+        if self.vault is None:
+            return line
+        return self.vault.seal_line(line[:-1], kind=KIND_SESSION, binding=session_id) + b"\n"
+
+    def _unsealer(self, session_id: str) -> Callable[[bytes], bytes] | None:
+        vault = self.vault
+        if vault is None:
+            return None
+        return lambda raw: vault.open_line(raw, kind=KIND_SESSION, binding=session_id)
 
     def _new_id(self, now: float) -> str:
         # Sortable by creation and unguessable enough to never collide between processes.
@@ -808,6 +880,19 @@ class HistoryStore:
             session_id = f"{stamp}-{secrets.token_hex(4)}"
             if not self._path(session_id).exists():
                 return session_id
+
+
+def open_store(root: Path | None = None) -> HistoryStore:
+    """The history store, unlocked when encryption is on (the passphrase is asked at most once
+    per process; VaultError, exit code 2, when it cannot be had or is wrong)."""
+    if root is None:
+        paths.ensure_private_dir(paths.data_dir())
+        root = paths.data_dir() / "sessions"
+    vault = unlock_if_enabled(key_file_beside(Path(root)))
+    if vault is not None and vault.state != STATE_ON:
+        log.warning("`k3chat sessions %s` did not finish; run it again to convert the rest of the history",
+                    "decrypt" if vault.state == STATE_DECRYPTING else "encrypt")
+    return HistoryStore(root, vault=vault)
 
 
 def _entry(info: SessionInfo, size: int) -> dict[str, Any]:

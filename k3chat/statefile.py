@@ -15,6 +15,11 @@ Layout (little-endian), version 1::
     payload      payload_len bytes (opaque engine state)
 
 The checksum covers the header too, so a flipped bit in n_tokens or the fingerprint is caught.
+
+When the history is encrypted (a ``vault`` is passed), these same bytes are written as the
+sealed stream of k3chat/vault.py, bound to the file's name (so to its session): they never
+reach the disk in plaintext, temp files included. A damaged, truncated or swapped sealed file
+is refused like any other doubtful state file.
 """
 
 from __future__ import annotations
@@ -24,8 +29,13 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from k3chat import paths
+from k3chat.vault import KIND_STATE, SealError, is_sealed_stream
+
+if TYPE_CHECKING:
+    from k3chat.vault import Vault
 
 MAGIC = b"K3STATE\x00"
 FORMAT_VERSION = 1
@@ -43,6 +53,9 @@ TRUNCATED = "truncated"
 LENGTH_MISMATCH = "length_mismatch"
 CHECKSUM_MISMATCH = "checksum_mismatch"
 FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+AUTH_FAILED = "auth_failed"  # an encrypted state file that does not authenticate
+NOT_ENCRYPTED = "not_encrypted"  # a plaintext state file although the history is encrypted
+ENCRYPTED = "encrypted"  # an encrypted state file read without the key
 
 
 class StateFileError(Exception):
@@ -86,11 +99,12 @@ _WRITE_CHUNK = 64 << 20
 
 
 def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int,
-               cancel: Callable[[], bool] | None = None) -> None:
+               cancel: Callable[[], bool] | None = None, vault: Vault | None = None) -> None:
     """Write atomically (0600, in a 0700 directory): a crash leaves the old file or the new.
 
     ``cancel`` is polled between 64 MiB pieces of the payload (a second Ctrl-C during a large
-    save); when it returns True the temp file is removed and SaveCancelled raised.
+    save); when it returns True the temp file is removed and SaveCancelled raised. With a
+    ``vault`` the file is sealed as it is written.
     """
     path = Path(path)
     fp = fingerprint.encode("utf-8")
@@ -113,14 +127,68 @@ def save_state(path: Path, payload: bytes, *, fingerprint: str, n_tokens: int,
 
     # The payload holds the conversation in another form: same privacy rules as the history.
     paths.ensure_private_dir(path.parent)
-    paths.atomic_write(path, pieces())
+    chunks = pieces() if vault is None else vault.seal_stream(pieces(), kind=KIND_STATE, binding=path.name)
+    paths.atomic_write(path, chunks)
 
 
-def load_state(path: Path, *, fingerprint: str) -> StateFile:
+_HEAD_MAX = _PREFIX.size + _MAX_FINGERPRINT + _COUNTS.size + _DIGEST_LEN
+
+
+@dataclass(frozen=True)
+class _Head:
+    version: int
+    fingerprint: bytes
+    n_tokens: int
+    payload_len: int
+    header_end: int  # what the checksum covers before the payload
+    digest: bytes
+    payload_offset: int
+
+
+def _parse_head(head: bytes) -> _Head:
+    version, fp_len = _check_prefix(head)
+    offset = _PREFIX.size
+    stored_fp_bytes = head[offset : offset + fp_len]
+    offset += fp_len
+    if len(head) < offset + _COUNTS.size + _DIGEST_LEN:
+        raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(head)} bytes)")
+    n_tokens, payload_len = _COUNTS.unpack_from(head, offset)
+    offset += _COUNTS.size
+    digest = head[offset : offset + _DIGEST_LEN]
+    return _Head(version, stored_fp_bytes, n_tokens, payload_len, offset, digest, offset + _DIGEST_LEN)
+
+
+def _read_plain(f: BinaryIO) -> tuple[_Head, bytes, bytes]:
+    head = f.read(_HEAD_MAX)
+    if is_sealed_stream(head):
+        raise StateFileError(ENCRYPTED, "an encrypted state file, but the history is not encrypted (no key file)")
+    fields = _parse_head(head)
+    f.seek(fields.payload_offset)
+    return fields, head, f.read()
+
+
+def _read_sealed(f: BinaryIO, path: Path, vault: Vault) -> tuple[_Head, bytes, bytes]:
+    """Decrypted into one buffer whose front is then dropped in place (a bytearray does that
+    without moving the rest), so the payload is held once here too."""
+    if f.read(len(MAGIC)) == MAGIC:
+        raise StateFileError(NOT_ENCRYPTED, "a plaintext state file although the history is encrypted")
+    f.seek(0)
+    try:
+        plain = vault.read_stream(f, kind=KIND_STATE, binding=path.name)
+    except SealError as exc:
+        raise StateFileError(TRUNCATED if exc.truncated else AUTH_FAILED, str(exc)) from None
+    fields = _parse_head(bytes(plain[:_HEAD_MAX]))
+    head = bytes(plain[: fields.payload_offset])
+    del plain[: fields.payload_offset]
+    return fields, head, plain  # type: ignore[return-value]  # a bytearray is as good as bytes here
+
+
+def load_state(path: Path, *, fingerprint: str, vault: Vault | None = None) -> StateFile:
     """Read and verify; raise StateFileError(reason) unless every check passes.
 
     The header is read first and the payload straight into its own buffer, so a state of
-    several gigabytes is held once, not once as the file and again as the payload.
+    several gigabytes is held once, not once as the file and again as the payload. With a
+    ``vault`` the file must be sealed (and is opened with it).
     """
     path = Path(path)
     try:
@@ -131,22 +199,11 @@ def load_state(path: Path, *, fingerprint: str) -> StateFile:
         raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
         with f:
-            head = f.read(_PREFIX.size + _MAX_FINGERPRINT + _COUNTS.size + _DIGEST_LEN)
-            version, fp_len = _check_prefix(head)
-            offset = _PREFIX.size
-            stored_fp_bytes = head[offset : offset + fp_len]
-            offset += fp_len
-            if len(head) < offset + _COUNTS.size + _DIGEST_LEN:
-                raise StateFileError(TRUNCATED, f"state file ends inside its header ({len(head)} bytes)")
-            n_tokens, payload_len = _COUNTS.unpack_from(head, offset)
-            offset += _COUNTS.size
-            header_end = offset
-            stored_digest = head[offset : offset + _DIGEST_LEN]
-            offset += _DIGEST_LEN
-            f.seek(offset)
-            payload = f.read()
+            fields, head, payload = _read_plain(f) if vault is None else _read_sealed(f, path, vault)
     except OSError as exc:
         raise StateFileError(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}") from exc
+    version, stored_fp_bytes, n_tokens = fields.version, fields.fingerprint, fields.n_tokens
+    payload_len, header_end, stored_digest = fields.payload_len, fields.header_end, fields.digest
     actual_len = len(payload)
     if actual_len != payload_len:
         what = "truncated" if actual_len < payload_len else "has trailing bytes"

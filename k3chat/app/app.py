@@ -37,7 +37,7 @@ from textual.widgets import Input, TextArea
 
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
-from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo
+from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, open_store
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
@@ -118,7 +118,7 @@ class K3ChatApp(App[int]):
         self.model_dir = model_dir
         self.demo = demo
         self.engine_factory = engine_factory
-        self.store = store or HistoryStore()
+        self.store = store or open_store()
         self.session: SessionInfo | None = session
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
@@ -305,7 +305,8 @@ class K3ChatApp(App[int]):
         engine = self.engine
         assert engine is not None
         s = self.settings
-        conv = Conversation(engine.model, engine.tokenizer, HistoryStore(self.store.root), session_id,
+        store = HistoryStore(self.store.root, vault=self.store.vault)
+        conv = Conversation(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
                             context=engine.context, model_name=engine.model_dir.name,
                             **engine.conversation_options)
@@ -472,7 +473,7 @@ class K3ChatApp(App[int]):
             if conv is None:
                 engine = self.engine
                 assert engine is not None and text is not None
-                store = HistoryStore(self.store.root)
+                store = HistoryStore(self.store.root, vault=self.store.vault)
                 created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name)
                 conv = self._new_conversation(created.id)
                 self._ui(self._adopt, conv, created)
@@ -507,7 +508,7 @@ class K3ChatApp(App[int]):
         try:
             if conv is not None:
                 conv.close()
-            HistoryStore(self.store.root).delete(info.id)
+            HistoryStore(self.store.root, vault=self.store.vault).delete(info.id)
         except (HistoryError, OSError):
             pass
         self._ui(self._forget, info.id)
@@ -854,7 +855,8 @@ class K3ChatApp(App[int]):
             except (HistoryError, OSError) as exc:
                 self.say(f"not exported: {exc}", error=True)
                 return
-            self.say(f"Exported to {path} (readable only by you)")
+            plain = ", plaintext: the history is encrypted, this copy is not" if self.store.vault else ""
+            self.say(f"Exported to {path} (readable only by you{plain})")
 
         self.push_screen(AskScreen("Export to (.md Markdown, .json everything, .jsonl for kimi-k3-in-c; mode 0600):",
                                    str(Path.cwd() / f"{safe}.md")), done)
@@ -893,7 +895,7 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
     if engine_factory is None:
         engine_factory = partial(_default_factory, memory=memory or ("all" if demo else None), threads=threads,
                                  context=context)
-    store = store or HistoryStore()
+    store = store or open_store()  # asks for the passphrase of an encrypted history
     info = find_session(store, session) if session else None
     if session is not None and info is None:
         from k3chat.history import _check_name
