@@ -88,6 +88,7 @@ class LoadedSession:
     records: list[dict[str, Any]]
     problems: list[str]  # one line per damaged or suspicious line, with its line number
     info: SessionInfo
+    skipped: list[str] = field(default_factory=list)  # the problems that cost a line (in problems too)
 
 
 # --------------------------------------------------------------------------- validation
@@ -258,6 +259,15 @@ class _Parsed:
     seqs: list[int] = field(default_factory=list)  # each kept record's sequence number
     last_seq: int = 0  # the highest sequence number any record line has had
     skipped: int = 0  # damaged lines so far (a count-based truncate after one is unreliable)
+    skipped_problems: list[str] = field(default_factory=list)  # the problems that cost a line
+
+
+def _skip(parsed: _Parsed, problem: str) -> None:
+    """A line (or part of one) that is not read: counted and reported as skipped, apart from
+    the warnings about records that are kept."""
+    parsed.skipped += 1
+    parsed.skipped_problems.append(problem)
+    parsed.problems.append(problem)
 
 
 def _meta_name(obj: Mapping[str, Any], number: int, parsed: _Parsed, what: str) -> str | None:
@@ -308,9 +318,8 @@ def _parse_truncate(obj: Mapping[str, Any], number: int, parsed: _Parsed) -> Non
                                    f"{len(parsed.records)} exist; check the conversation")
         del parsed.records[count:], parsed.seqs[count:]
     else:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: truncate line without a valid seq or record count, skipped; "
-                               "superseded answers may be shown")
+        _skip(parsed, f"line {number}: truncate line without a valid seq or record count, skipped; "
+                      "superseded answers may be shown")
         return
     parsed.last_role = parsed.records[-1]["role"] if parsed.records else None
 
@@ -327,32 +336,74 @@ def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
     elif kind == "truncate":
         _parse_truncate(obj, number, parsed)
     else:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
+        _skip(parsed, f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
+
+
+# Where one of our lines begins. The encoder escapes every quote inside a string, so this can
+# only match at the start of a line, or where a lost line break glued a line onto another.
+_LINE_START_RE = re.compile(rb'\{"(?:role|k3chat)":')
+
+
+def _decode(raw: bytes) -> tuple[Any, str | None]:
+    """(the JSON value of ``raw``, None), or (None, why it is not JSON)."""
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except UnicodeDecodeError:
+        return None, "not valid UTF-8"
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+
+
+def _glued_lines(raw: bytes) -> tuple[list[dict[str, Any]], int]:
+    """(the objects in a line that does not decode as a whole, the bytes they take): each
+    piece starting where one of our lines starts that decodes on its own, in order."""
+    bounds = sorted({0, *(m.start() for m in _LINE_START_RE.finditer(raw))})
+    found: list[dict[str, Any]] = []
+    used = 0
+    for piece in (raw[a:b] for a, b in zip(bounds, bounds[1:] + [len(raw)])):
+        obj, why = _decode(piece)
+        if why is None and isinstance(obj, dict):
+            found.append(obj)
+            used += len(piece)
+    return found, used
+
+
+def _parse_damaged(raw: bytes, number: int, parsed: _Parsed, why: str) -> None:
+    """Skip a line that does not decode, but keep the records a lost line break glued into
+    it (the answer after a damaged user line, say): only the damaged bytes are lost."""
+    glued, used = _glued_lines(raw)
+    if not glued:
+        _skip(parsed, f"line {number}: {why}, skipped")
+        return
+    lost = len(raw) - used
+    if lost:
+        _skip(parsed, f"line {number}: {why}: {lost} damaged bytes skipped; the {len(glued)} whole line(s) "
+                      "after them (a line break was lost) are read")
+    else:
+        parsed.problems.append(f"line {number}: {len(glued)} lines without the line break between them; "
+                               "all are read")
+    for obj in glued:
+        _parse_object(obj, number, parsed)
 
 
 def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
     if not raw.strip():
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: blank line, skipped")
+        _skip(parsed, f"line {number}: blank line, skipped")
         return
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: not valid UTF-8, skipped")
+    obj, why = _decode(raw)
+    if why is not None:
+        _parse_damaged(raw, number, parsed, why)
         return
-    except json.JSONDecodeError as exc:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}), skipped")
-        return
+    _parse_object(obj, number, parsed)
+
+
+def _parse_object(obj: Any, number: int, parsed: _Parsed) -> None:
     if isinstance(obj, dict) and META_KEY in obj:
         _parse_meta(obj, number, parsed)
         return
     problem = record_problem(obj)
     if problem is not None:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: invalid record ({for_terminal(problem)}), skipped")
+        _skip(parsed, f"line {number}: invalid record ({for_terminal(problem)}), skipped")
         return
     # Records written since sequence numbers carry their own; older ones are numbered by
     # their place among the record lines, as the writer of an old truncate line counted them.
@@ -363,7 +414,7 @@ def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
     order = _order_problem(parsed.last_role, obj["role"])
     if order is not None:
         # Kept: a lost line in between is the usual cause, and dropping this one would lose more.
-        parsed.problems.append(f"line {number}: {order}; a record before it may have been lost")
+        parsed.problems.append(f"line {number}: {order}; a record before it may have been lost (this one is kept)")
     parsed.records.append(obj)
     parsed.seqs.append(seq)
     parsed.last_seq = max(parsed.last_seq, seq)
@@ -379,10 +430,8 @@ def _parse_file(data: bytes) -> _Parsed:
     for number, raw in enumerate(lines, start=1):
         _parse_line(raw, number, parsed)
     if incomplete:
-        parsed.problems.append(
-            f"line {len(lines) + 1}: incomplete last line ({len(incomplete)} bytes, "
-            "a write was cut short), skipped"
-        )
+        _skip(parsed, f"line {len(lines) + 1}: incomplete last line ({len(incomplete)} bytes, "
+                      "a write was cut short), skipped")
     return parsed
 
 
@@ -488,7 +537,7 @@ class HistoryStore:
                            len(parsed.records), parsed.model)
         if parsed.created is None and not any(p.startswith("line 1:") for p in parsed.problems):
             parsed.problems.append("line 1: session header missing; name and creation time guessed")
-        return LoadedSession(parsed.records, parsed.problems, info)
+        return LoadedSession(parsed.records, parsed.problems, info, parsed.skipped_problems)
 
     def rename(self, session_id: str, name: str) -> SessionInfo:
         _check_id(session_id)
@@ -552,8 +601,7 @@ class HistoryStore:
         info = loaded.info
         out = [f"# {_md_inline(info.name)}", "", f"Session `{info.id}`, created {_iso(info.created)}"
                + (f", model {_md_inline(info.model)}" if info.model else "") + "."]
-        if loaded.problems:
-            out += ["", f"> {len(loaded.problems)} damaged line(s) were skipped in this export."]
+        out += _markdown_damage(loaded)
         for record in loaded.records:
             out += ["", *_markdown_record(record)]
         return "\n".join(out) + "\n"
@@ -589,7 +637,9 @@ class HistoryStore:
         from k3chat.template import _skipped
 
         loaded = self.load(session_id)
-        warnings = [f"damaged line not exported: {p}" for p in loaded.problems]
+        skipped = set(loaded.skipped)
+        warnings = [f"damaged line not exported: {p}" if p in skipped else f"exported, with a warning: {p}"
+                    for p in loaded.problems]
         lines = []
         previous: str | None = None
         dropped_at: int | None = None
@@ -859,6 +909,16 @@ def _fenced(text: str) -> list[str]:
     longest = max((len(run) for run in _BACKTICKS.findall(text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [fence + "text", *text.split("\n"), fence]
+
+
+def _markdown_damage(loaded: LoadedSession) -> list[str]:
+    """What the export could not include and what it warns about, exactly (escaped)."""
+    if not loaded.problems:
+        return []
+    kept = len(loaded.problems) - len(loaded.skipped)
+    out = ["", f"> {len(loaded.skipped)} damaged line(s) of the session file were skipped in this export, "
+               f"every other record is here; {kept} warning(s) about records that are kept:", ">"]
+    return out + [f"> - {_md_inline(problem)}" for problem in loaded.problems]
 
 
 def _markdown_record(record: Mapping[str, Any]) -> list[str]:

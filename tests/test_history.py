@@ -608,3 +608,50 @@ def test_find_by_id_or_name_and_refuse_a_shared_name(tmp_path: Path) -> None:
     with pytest.raises(AmbiguousSession, match="use an id"):
         store.find("beta")
     assert store.find(b2.id).id == b2.id and b1.id != b2.id
+
+
+# ---------------------------------------------------------------- issue 12: history and sessions
+
+
+def _glue(path: Path, line: int, cut: int) -> None:
+    """Damage line ``line`` (1-based): keep its first ``cut`` bytes and lose its line break,
+    so the next line is glued onto the fragment."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = lines[line - 1][:cut]
+    path.write_bytes(b"".join(lines))
+
+
+def test_answer_after_a_damaged_user_line_is_kept(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("the answer to second"))
+    _glue(session_file(store, sid), 4, 25)  # "second" lost half its bytes and its line break
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "the answer to second"]
+    assert len(loaded.skipped) == 1
+    assert "line 4" in loaded.skipped[0] and "25 damaged bytes skipped" in loaded.skipped[0]
+    # Only a lost line break: nothing is skipped at all.
+    sid2 = three_turns(store)
+    store.append(sid2, assistant("two"))
+    path = session_file(store, sid2)
+    _glue(path, 4, len(path.read_bytes().splitlines()[3]))
+    loaded = store.load(sid2)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "second", "two"]
+    assert loaded.skipped == [] and "2 lines without the line break between them" in loaded.problems[0]
+
+
+def test_exports_say_exactly_which_lines_were_skipped(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("two"))
+    path = session_file(store, sid)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = b'{"role": "user", "content": "sec\n'  # the user line is damaged, the answer intact
+    path.write_bytes(b"".join(lines))
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "two"]
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("line 4:")
+    assert len(loaded.problems) == 2 and "line 5" in loaded.problems[1] and "kept" in loaded.problems[1]
+    md = store.export_markdown(sid)
+    assert "1 damaged line(s) of the session file were skipped" in md and "1 warning(s)" in md
+    assert "two" in md
+    _, warnings = store.export_peer_jsonl_checked(sid)
+    assert [w.split(":")[0] for w in warnings] == ["damaged line not exported", "exported, with a warning"]
