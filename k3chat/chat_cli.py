@@ -621,8 +621,23 @@ def _sessions_show(store: HistoryStore, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _output_problem(output: str | None) -> str | None:
+    """Why ``-o OUTPUT`` cannot be written (checked before any work), or None."""
+    if not output:
+        return None
+    target = Path(output)
+    if target.is_dir():
+        return f"-o {output} is a directory; give a file name, e.g. -o {target / 'session.md'}"
+    if not target.parent.is_dir():
+        return f"-o {output}: the directory {target.parent} does not exist"
+    return None
+
+
 def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
     from . import paths
+    problem = _output_problem(args.output)
+    if problem is not None:
+        raise _Usage(problem)
     info = _resolve(store, args.session)
     code = EXIT_OK
     if args.format == "jsonl":
@@ -637,7 +652,10 @@ def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
             _err(f"warning: {problem} (noted in the export)")
         text = {"md": store.export_markdown, "json": store.export_json}[args.format](info.id)
     if args.output:
-        paths.atomic_write(Path(args.output), text.encode("utf-8"))
+        try:
+            paths.atomic_write(Path(args.output), text.encode("utf-8"))
+        except OSError as exc:
+            return _fail(f"cannot write {args.output}: {exc.strerror or exc}; nothing was written")
         _err(f"wrote {args.output} (mode 0600)")
     else:
         _stdout(text)

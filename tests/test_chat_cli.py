@@ -428,3 +428,26 @@ def test_peer_export_with_damaged_lines_warns_and_fails(home: Path, tmp_path: Pa
     err = capsys.readouterr().err
     assert "damaged line not exported" in err and "incomplete" in err
     assert dest.read_text() == out  # still written, with what could be read
+
+
+def _history_session(name: str, *, pending: bool = False) -> str:
+    store = HistoryStore()
+    sid = store.create(name).id
+    store.append(sid, {"role": "user", "content": "q"})
+    if not pending:
+        store.append(sid, {"role": "assistant", "content": "a", "reasoning_content": "r"})
+    return sid
+
+
+def test_export_to_a_directory_is_refused_before_any_file_is_made(home: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    sid = _history_session("x")
+    out_dir = tmp_path / "exports"
+    out_dir.mkdir()
+    before = sorted(tmp_path.iterdir())
+    assert main(["sessions", "export", sid, "-o", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {out_dir} is a directory; give a file name" in err
+    assert sorted(tmp_path.iterdir()) == before and list(out_dir.iterdir()) == []
+    assert main(["sessions", "export", sid, "-o", str(tmp_path / "missing" / "x.md")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -655,3 +655,22 @@ def test_exports_say_exactly_which_lines_were_skipped(store: HistoryStore) -> No
     assert "two" in md
     _, warnings = store.export_peer_jsonl_checked(sid)
     assert [w.split(":")[0] for w in warnings] == ["damaged line not exported", "exported, with a warning"]
+
+
+def test_atomic_write_refuses_a_directory_before_creating_anything(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "dir"
+    target.mkdir()
+    before = sorted(tmp_path.iterdir())
+    created: list[str] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_CREAT:
+            created.append(os.fsdecode(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        paths.atomic_write(target, b"text")
+    assert created == [] and sorted(tmp_path.iterdir()) == before
