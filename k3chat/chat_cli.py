@@ -40,7 +40,8 @@ from typing import Any, Callable
 from .cli import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name
+from .history import (AmbiguousSession, HistoryError, HistoryStore, SessionBusy, SessionExists, SessionInfo,
+                      display_name)
 
 
 def _err(message: str) -> None:
@@ -412,7 +413,12 @@ def _run_chat(args: argparse.Namespace) -> int:
             if info is None:
                 name = args.session or _session_name(args.prompt)
                 try:
-                    info = created = store.create(name, model=model_dir.name)
+                    # --session NAME names one session: created only if no other k3chat
+                    # created it since this run looked (checked under the index lock).
+                    info = created = store.create(name, model=model_dir.name, unique_name=args.session is not None)
+                except SessionExists as exc:
+                    return _fail(f"another k3chat created session {exc.info.name!r} ({exc.info.id}) after this run "
+                                 f"started; nothing was saved; continue it with --session {exc.info.id}")
                 except (HistoryError, OSError) as exc:
                     return _fail(f"cannot create the session: {exc}")
             return _run_turn(args, settings, store, info, created is not None, system, model, tokenizer,
@@ -554,9 +560,9 @@ def _summary(result: Any, info: SessionInfo) -> None:
 # --------------------------------------------------------------------------- sessions
 
 
-def _open_sessions_store() -> HistoryStore:
+def _open_sessions_store(read_only: bool = False) -> HistoryStore:
     from .conversation import sweep_state_temps
-    store = _open_store()
+    store = HistoryStore(read_only=read_only)
     try:
         sweep_state_temps()  # the history store sweeps its own directory when it opens
     except OSError as exc:
@@ -570,7 +576,9 @@ def sessions_main(args: argparse.Namespace) -> int:
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
                "rename": _sessions_rename, "rm": _sessions_rm}
     try:
-        store = _open_sessions_store()
+        # Reading needs no write access: a read-only home (or backup) can still be listed,
+        # shown and exported.
+        store = _open_sessions_store(read_only=args.action in ("list", "show", "export"))
         return actions[args.action](store, args)
     except _Usage as exc:
         return usage_error(str(exc))

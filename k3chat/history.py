@@ -26,6 +26,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -71,6 +72,29 @@ class HistoryError(Exception):
 
 class AmbiguousSession(HistoryError):
     """A session name that several sessions share: the caller must use an id."""
+
+
+class SessionExists(HistoryError):
+    """``create(..., unique_name=True)`` found the name taken (``info`` is that session)."""
+
+    def __init__(self, info: SessionInfo) -> None:
+        self.info = info
+        super().__init__(f"a session named {info.name!r} already exists ({info.id}); nothing was created")
+
+
+class SessionBusy(HistoryError):
+    """Another k3chat process is answering this session right now."""
+
+    def __init__(self, session: str, pid: int | None) -> None:
+        self.session = session
+        self.pid = pid
+        who = f"another k3chat (pid {pid})" if pid else "another k3chat"
+        super().__init__(f"session {session} is being answered by {who}; nothing was changed here: "
+                         "wait for it to finish (or stop it), then run again")
+
+
+class IndexUnreadable(HistoryError):
+    """The index file exists but cannot be read as a file; the message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -442,6 +466,20 @@ def _iso(ts: float) -> str:
 # --------------------------------------------------------------------------- the store
 
 
+def _existing_private_dir(path: Path) -> Path:
+    """For a read-only store: ``path`` checked, never created or chmodded (0500 is as private
+    as 0700). One that is not ours, not a directory, or open to others goes through
+    ensure_private_dir, which refuses it or tightens it with its own message."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path  # nothing stored yet: an empty history
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return paths.ensure_private_dir(path)
+    return path
+
+
 @dataclass
 class _Tail:
     """Cached end-of-file facts, valid while the file keeps this inode and size."""
@@ -453,26 +491,39 @@ class _Tail:
 
 
 class HistoryStore:
-    """Sessions on disk. Safe for several processes; not for several threads on one instance."""
+    """Sessions on disk. Safe for several processes; not for several threads on one instance.
 
-    def __init__(self, root: Path | None = None) -> None:
+    ``read_only=True`` (list, show, export) creates, locks for writing and repairs nothing,
+    so a read-only home (chmod -w, a read-only mount or backup) can still be read.
+    """
+
+    def __init__(self, root: Path | None = None, *, read_only: bool = False) -> None:
+        self.read_only = read_only
+        private_dir = _existing_private_dir if read_only else paths.ensure_private_dir
         if root is None:
-            paths.ensure_private_dir(paths.data_dir())
+            private_dir(paths.data_dir())
             root = paths.data_dir() / "sessions"
-        self.root = paths.ensure_private_dir(Path(root))
+        self.root = private_dir(Path(root))
         self._tails: dict[str, _Tail] = {}
-        # Temp files of writers that died mid-write hold conversation text: remove them.
+        # Temp files of writers that died mid-write hold conversation text: remove them
+        # (best effort: on a read-only home they stay).
         paths.sweep_temps(self.root)
 
     # ---- public API
 
-    def create(self, name: str, *, model: str | None = None) -> SessionInfo:
+    def create(self, name: str, *, model: str | None = None, unique_name: bool = False) -> SessionInfo:
+        """A new empty session. With ``unique_name``, SessionExists if a session of that name
+        exists (as its file says): checked under the index lock, so of several processes
+        creating the same new name at once exactly one succeeds."""
         _check_name(name)
         if model is not None and _string_problem("model", model):
             raise HistoryError("model must be a string")
         now = time.time()
         with self._index_lock():
             entries = self._current_index()
+            taken = self._named_in(entries, name) if unique_name else []
+            if taken:
+                raise SessionExists(taken[0])
             session_id = self._new_id(now)
             header: dict[str, Any] = {META_KEY: "session", "version": FORMAT_VERSION, "id": session_id,
                                       "name": name, "created": now, "model": model}
@@ -489,18 +540,23 @@ class HistoryStore:
 
     def list(self) -> list[SessionInfo]:
         """All sessions, most recently updated first (stale index entries are refreshed)."""
-        with self._index_lock():
+        with self._reading():
             entries = self._current_index()
         infos = [_info(session_id, entry) for session_id, entry in entries.items()]
         return sorted(infos, key=lambda info: (info.updated, info.id), reverse=True)
 
     def find(self, ref: str) -> SessionInfo | None:
-        """A session by id, else by exact name; AmbiguousSession when several share it."""
-        infos = self.list()
-        for info in infos:
-            if info.id == ref:
-                return info
-        named = [info for info in infos if info.name == ref]
+        """A session by id, else by exact name; AmbiguousSession when several share it.
+
+        A name is answered by the session files, not by the index alone (a cache that may be
+        stale or edited): see _named_in.
+        """
+        with self._reading():
+            entries = self._current_index()
+            if ref in entries:
+                return _info(ref, entries[ref])
+            named = self._named_in(entries, ref)
+        named.sort(key=lambda info: (info.updated, info.id), reverse=True)
         if len(named) > 1:
             ids = ", ".join(info.id for info in named)
             raise AmbiguousSession(f"several sessions are named {ref!r} ({ids}); use an id")
@@ -697,9 +753,10 @@ class HistoryStore:
                 self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True, seq)
             try:
                 self._update_index_after_append(session_id, st, size, obj)
-            except OSError as exc:
+            except (OSError, IndexUnreadable) as exc:
                 # The line is durable; only the index (a cache, repaired by size) is stale.
-                log.warning("history index not updated (%s); it will be rebuilt", _reason(exc))
+                log.warning("history index not updated (%s); it will be rebuilt",
+                            _reason(exc) if isinstance(exc, OSError) else exc)
         finally:
             os.close(fd)  # also releases the flock
         return written
@@ -756,6 +813,8 @@ class HistoryStore:
         # Callers have already made their change durable in the session file; the index is
         # a cache whose staleness _current_index detects by file size. So a failure to write
         # it (disk full) is logged rather than reported as a failed save.
+        if self.read_only:
+            return  # repaired in memory only; a writer saves it
         try:
             self._store_index(entries)
         except OSError as exc:
@@ -765,15 +824,45 @@ class HistoryStore:
 
     @contextmanager
     def _index_lock(self) -> Iterator[None]:
-        fd = paths.private_open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        if self.read_only:
+            raise HistoryError("this history was opened read-only; nothing can be changed through it")
+        path = self.root / LOCK_NAME
+        try:
+            fd = paths.private_open(path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise HistoryError(f"cannot lock the history index {path} for writing: {_reason(exc)}; changing "
+                               f"sessions needs write access to {self.root} (reading them does not)") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
 
-    def _current_index(self) -> dict[str, dict[str, Any]]:
-        """The index, reconciled with the files on disk and saved if that changed it.
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The index lock for reading. A writable store takes it exclusive (a stale index is
+        repaired and saved); a read-only one shares it if the lock file opens read-only, else
+        reads without it: the index is only ever replaced whole and is checked against the
+        files' sizes, so what is read is consistent either way."""
+        if not self.read_only:
+            with self._index_lock():
+                yield
+            return
+        try:
+            fd: int | None = os.open(self.root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no lock file yet, or one we may not open: nobody to wait for we could see
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _current_index(self, *, save: bool = True) -> dict[str, dict[str, Any]]:
+        """The index, reconciled with the files on disk and saved (unless ``save`` is False)
+        if that changed it.
 
         Call with the index lock held.
         """
@@ -789,9 +878,40 @@ class HistoryStore:
             entry = entries.get(session_id)
             if entry is None or entry["bytes"] != size:
                 changed |= self._refresh_entry(entries, session_id)
-        if changed:
+        if changed and save:
             self._save_index_quietly(entries)
         return entries
+
+    def _named_in(self, entries: dict[str, dict[str, Any]], name: str) -> list[SessionInfo]:
+        """The sessions whose files say they are named ``name``. The index is believed only when
+        every file it names so agrees; otherwise (or when it knows no session of that name,
+        which is what makes a caller create one) every file is asked, and entries whose name
+        the file contradicts are repaired. Call with the index lock held."""
+        claimed = [sid for sid, entry in entries.items() if entry["name"] == name]
+        if claimed and all(self._name_in_file(sid) == name for sid in claimed):
+            return [_info(sid, entries[sid]) for sid in claimed]
+        self._correct_names(entries)
+        return [_info(sid, entry) for sid, entry in entries.items() if entry["name"] == name]
+
+    def _name_in_file(self, session_id: str) -> str | None:
+        try:
+            return self.load(session_id).info.name
+        except HistoryError:
+            return None
+
+    def _correct_names(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Re-read every session file; an entry whose name its file contradicts is replaced,
+        reported, and the index saved."""
+        repaired = []
+        for session_id, entry in list(entries.items()):
+            said = entry["name"]
+            if self._refresh_entry(entries, session_id) and entries[session_id]["name"] != said:
+                repaired.append(f"{session_id} is {entries[session_id]['name']!r}, not {said!r}")
+        if repaired:
+            log.warning("history index %s disagreed with the session files (%s); the files are believed%s",
+                        self.root / INDEX_NAME, "; ".join(repaired),
+                        "" if self.read_only else " and the index is repaired")
+            self._save_index_quietly(entries)
 
     def _refresh_entry(self, entries: dict[str, dict[str, Any]], session_id: str) -> bool:
         try:
@@ -803,12 +923,22 @@ class HistoryStore:
         return True
 
     def _read_index(self) -> dict[str, dict[str, Any]] | None:
+        path = self.root / INDEX_NAME
         try:
-            fd = os.open(self.root / INDEX_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO put in its place must not hang every command.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
+        except OSError as exc:
+            raise _unreadable_index(path, exc) from exc
+        try:
+            with os.fdopen(fd, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    raise _unreadable_index(path, kind="a directory" if stat.S_ISDIR(mode) else "not a regular file")
+                data = f.read()
+        except OSError as exc:
+            raise _unreadable_index(path, exc) from exc
         try:
             doc = json.loads(data)
             entries = doc["sessions"]
@@ -829,7 +959,9 @@ class HistoryStore:
 
     def _session_files(self) -> dict[str, int]:
         """Session id -> file size, for every well-named session file."""
-        found = {}
+        found: dict[str, int] = {}
+        if self.read_only and not self.root.exists():
+            return found  # a read-only look at a home that has no history yet
         for entry in os.scandir(self.root):
             session_id = entry.name[: -len(SUFFIX)]
             if entry.name.endswith(SUFFIX) and _ID_RE.fullmatch(session_id) and entry.is_file(follow_symlinks=False):
@@ -858,6 +990,20 @@ class HistoryStore:
             session_id = f"{stamp}-{secrets.token_hex(4)}"
             if not self._path(session_id).exists():
                 return session_id
+
+
+def _unreadable_index(path: Path, exc: OSError | None = None, *, kind: str | None = None) -> IndexUnreadable:
+    """Why the index cannot be read, naming it and what to do (it is only a cache)."""
+    rebuild = "k3chat rebuilds the index from the session files"
+    if exc is not None and exc.errno in (errno.ELOOP, errno.EISDIR):
+        kind = "a directory" if exc.errno == errno.EISDIR else "a symbolic link (never followed)"
+    if kind is not None or exc is None:
+        advice = f"it is {kind or 'not a regular file'}, not the index file: move it out of the way ({rebuild})"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        advice = "permission denied: it should be a file you own with mode 0600 (chmod 600 it)"
+    else:
+        advice = f"{_reason(exc)}: if it is damaged, move it out of the way ({rebuild})"
+    return IndexUnreadable(f"cannot read the history index {path}: {advice}")
 
 
 def _entry(info: SessionInfo, size: int) -> dict[str, Any]:

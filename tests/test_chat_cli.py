@@ -451,3 +451,22 @@ def test_export_to_a_directory_is_refused_before_any_file_is_made(home: Path, tm
     assert sorted(tmp_path.iterdir()) == before and list(out_dir.iterdir()) == []
     assert main(["sessions", "export", sid, "-o", str(tmp_path / "missing" / "x.md")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_two_runs_creating_one_session_name_make_one_session(tiny_dir: Path, home: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    real_create = HistoryStore.create
+    rival: list[str] = []
+
+    def other_run_wins(self: HistoryStore, name: str, **kw: Any) -> Any:
+        # The other `run --session S` created S while this one was opening the model.
+        if not rival:
+            rival.append(real_create(HistoryStore(self.root), name).id)
+        return real_create(self, name, **kw)
+
+    monkeypatch.setattr(HistoryStore, "create", other_run_wins)
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--session", "S", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"another k3chat created session 'S' ({rival[0]})" in err and f"--session {rival[0]}" in err
+    assert [(i.id, i.name) for i in HistoryStore().list()] == [(rival[0], "S")]
