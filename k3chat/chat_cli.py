@@ -375,6 +375,8 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
     loaded = store.load(info.id)
     records = loaded.records
     pending = bool(records) and records[-1]["role"] == "user"
+    if pending:
+        _check_not_being_answered(store, info)  # its message may be the other k3chat's
     if args.resume and not pending:
         raise _Usage(f"session {info.name!r} has no unanswered message to resume")
     if not args.resume and pending:
@@ -389,6 +391,13 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
     return info, None
 
 
+def _check_not_being_answered(store: HistoryStore, info: SessionInfo) -> None:
+    try:
+        store.check_idle(info.id)
+    except SessionBusy as exc:
+        raise SessionBusy(repr(info.name) + f" ({info.id})", exc.pid) from None
+
+
 def _run_chat(args: argparse.Namespace) -> int:
     _check_args(args)
     settings = _run_settings(args)
@@ -398,6 +407,8 @@ def _run_chat(args: argparse.Namespace) -> int:
     try:
         store = _open_store()
         info, system = _prepare_session(store, args)
+    except SessionBusy as exc:
+        return _fail(str(exc))
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(f"cannot open the history: {exc}")
 
@@ -574,7 +585,7 @@ def sessions_main(args: argparse.Namespace) -> int:
     from . import paths
     _tolerant_streams()
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
-               "rename": _sessions_rename, "rm": _sessions_rm}
+               "rename": _sessions_rename, "rm": _sessions_rm, "wipe": _sessions_wipe}
     try:
         # Reading needs no write access: a read-only home (or backup) can still be listed,
         # shown and exported.
@@ -682,22 +693,50 @@ def _sessions_rename(store: HistoryStore, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _confirmed(info: SessionInfo, args: argparse.Namespace, verb: str) -> bool:
+    """--yes, or a "y" typed at the terminal; without a terminal, --yes is required."""
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise _Usage(f"refusing to {verb} session {info.name!r} without --yes")
+    try:
+        answer = input(for_terminal(f"{verb.capitalize()} session {info.name!r} ({info.id}, {info.n_messages} "
+                                    "messages)? [y/N] "))
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
 def _sessions_rm(store: HistoryStore, args: argparse.Namespace) -> int:
     from .conversation import delete_state
     info = _resolve(store, args.session)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise _Usage(f"refusing to delete session {info.name!r} without --yes")
-        try:
-            answer = input(for_terminal(f"Delete session {info.name!r} ({info.id}, {info.n_messages} messages)? [y/N] "))
-        except EOFError:
-            answer = ""
-        if answer.strip().lower() not in ("y", "yes"):
-            _err("not deleted")
-            return EXIT_OK
+    if not _confirmed(info, args, "delete"):
+        _err("not deleted")
+        return EXIT_OK
     store.delete(info.id)  # also removes temp copies of the session file
     delete_state(info.id)  # the state file and its temp copies
     _err(f"deleted session {info.name!r} ({info.id})")
+    return EXIT_OK
+
+
+def _sessions_wipe(store: HistoryStore, args: argparse.Namespace) -> int:
+    from . import paths
+    from .conversation import state_path
+    from .history import temp_copies, wipe_caveat, wipe_file
+    info = _resolve(store, args.session)
+    if not _confirmed(info, args, "wipe"):
+        _err("not wiped")
+        return EXIT_OK
+    caveat = wipe_caveat(store.root)  # asked before the files are gone
+    wiped = store.wipe(info.id)  # the session file, its temp copies, its index entry
+    state = state_path(info.id)
+    state_files = [p for p in (state, *temp_copies(state.parent, state.name)) if wipe_file(p)]
+    if state_files:
+        paths.fsync_dir(state.parent)  # the unlinks, durable
+    wiped += state_files
+    _err(f"wiped session {info.name!r} ({info.id}): {len(wiped)} file(s) overwritten with zeros, synced and "
+         "deleted, and its index entry removed")
+    _err(f"note: {caveat}")
     return EXIT_OK
 
 

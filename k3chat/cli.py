@@ -85,7 +85,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("sessions", help="list, show, export, rename or delete saved conversations")
+    s = sub.add_parser("sessions", help="list, show, export, rename, delete or wipe saved conversations")
     ss = s.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = ss.add_parser("list", help="all sessions, most recent first")
     ls.add_argument("--json", action="store_true", help="print JSON")
@@ -102,6 +102,10 @@ def _add_sessions(sub: argparse._SubParsersAction) -> None:
     rm = ss.add_parser("rm", help="delete a session and its saved engine state")
     rm.add_argument("session", help="session id or name")
     rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    wp = ss.add_parser("wipe", help="overwrite a session and its engine state with zeros, then delete them "
+                                    "(says what an overwrite cannot promise on this disk)")
+    wp.add_argument("session", help="session id or name")
+    wp.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:

@@ -8,9 +8,15 @@ Layout under the store root (default ``<data dir>/sessions``, 0700):
   the line being written, and renames do not rewrite the file.
 - ``sessions.json`` (0600): the index, a cache of what the JSONL files say. Written atomically.
   It records each file's size, so a stale entry (a crash between a record and the index update)
-  is noticed and recomputed; a missing or corrupt index is rebuilt from the files.
+  is noticed and recomputed; a missing or corrupt index is rebuilt from the files. Names are
+  checked against the files before a name lookup is answered (``find``).
 - ``sessions.lock``: flock'ed around every index update. The index itself cannot carry the
-  lock because each update replaces its inode.
+  lock because each update replaces its inode. A read-only store (``read_only=True``: list,
+  show, export) takes it shared when it can open it read-only, else reads without it, and
+  never writes anything.
+- ``<id>.answering`` (0600): flock'ed by the k3chat that is answering the session (from its
+  user record to its answer) and holding that process's pid, so a second one is told who is
+  answering instead of appending in between.
 
 Each session file is also flock'ed while it is appended to, so the "truncate back after a
 failed write" rollback can never cut another writer's line.
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "sessions.json"
 LOCK_NAME = "sessions.lock"
 SUFFIX = ".jsonl"
+ANSWERING_SUFFIX = ".answering"
 FORMAT_VERSION = 1
 META_KEY = "k3chat"  # lines carrying this key are store metadata, never conversation records
 
@@ -631,6 +638,7 @@ class HistoryStore:
 
         This is an unlink: on SSDs and journaling file systems overwriting in place does not
         reliably erase data, so we do not pretend to; full-disk encryption is the real answer.
+        ``wipe`` overwrites first, and says what that cannot promise.
         """
         _check_id(session_id)
         with self._index_lock():
@@ -642,9 +650,93 @@ class HistoryStore:
                 raise HistoryError(f"could not delete session {session_id!r}: {_reason(exc)}") from exc
             # A temp copy left by a crashed write of this session goes with it, whoever made it.
             paths.sweep_temps(self.root, target=f"{session_id}{SUFFIX}", any_pid=True)
+            self._remove_answering_lock(session_id)
             paths.fsync_dir(self.root)
             self._tails.pop(session_id, None)
             self._current_index()  # drops the entry of the file that is gone
+
+    def wipe(self, session_id: str) -> list[Path]:
+        """Overwrite the session file and its temp copies with zeros (fsynced), then unlink
+        them and drop the session from the index, whose old copy (it holds the name) is zeroed
+        too. Returns the files overwritten. Refused (SessionBusy) while a turn answers it.
+
+        What this cannot promise is said by wipe_caveat: SSDs and copy-on-write or
+        log-structured file systems may keep the old blocks.
+        """
+        _check_id(session_id)
+        path = self._path(session_id)
+        with self.answering(session_id):
+            try:
+                fd = paths.private_open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                raise HistoryError(f"no session {session_id!r}") from None
+            except OSError as exc:
+                raise HistoryError(f"could not wipe session {session_id!r}: {_reason(exc)}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # before the index lock, as appends take them
+                with self._index_lock():
+                    entries = self._current_index(save=False)  # the old index is zeroed, not replaced
+                    wiped = [path] if wipe_file(path, fd) else []
+                    wiped += [p for p in temp_copies(self.root, f"{session_id}{SUFFIX}") if wipe_file(p)]
+                    entries.pop(session_id, None)
+                    self._tails.pop(session_id, None)
+                    for index_copy in (self.root / INDEX_NAME, *temp_copies(self.root, INDEX_NAME)):
+                        _overwrite_with_zeros(index_copy)
+                    self._save_index_quietly(entries)
+                    paths.fsync_dir(self.root)
+            except OSError as exc:
+                raise HistoryError(f"could not wipe session {session_id!r}: {_reason(exc)}; run the wipe "
+                                   "again (what was already overwritten stays overwritten)") from exc
+            finally:
+                os.close(fd)
+        self._remove_answering_lock(session_id)
+        return wiped
+
+    # ---- who is answering a session
+
+    @contextmanager
+    def answering(self, session_id: str) -> Iterator[None]:
+        """Held by the k3chat that answers a session, from its user record to its answer: a
+        second one gets SessionBusy (naming this process's pid) instead of appending in
+        between or being told to answer a message that is being answered."""
+        _check_id(session_id)
+        if not self._path(session_id).exists():
+            raise HistoryError(f"no session {session_id!r}")
+        try:
+            fd = paths.private_open(self._answering_path(session_id), os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise HistoryError(f"could not lock session {session_id!r}: {_reason(exc)}") from exc
+        try:
+            _take_answering_lock(fd, session_id)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def check_idle(self, session_id: str) -> None:
+        """SessionBusy if another k3chat is answering ``session_id`` now. Read-only: works on
+        a read-only store too."""
+        _check_id(session_id)
+        try:
+            fd = os.open(self._answering_path(session_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # never answered here (or not readable): nobody we could name
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by close, at once
+        except BlockingIOError:
+            raise SessionBusy(session_id, _pid_in(fd)) from None
+        finally:
+            os.close(fd)
+
+    def _answering_path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}{ANSWERING_SUFFIX}"
+
+    def _remove_answering_lock(self, session_id: str) -> None:
+        try:
+            os.unlink(self._answering_path(session_id))
+        except OSError:
+            pass  # never created, or a read-only home: it holds only a pid
 
     def export_markdown(self, session_id: str) -> str:
         """The conversation for reading. Inert by construction: every message and every
@@ -1079,6 +1171,144 @@ def _markdown_record(record: Mapping[str, Any]) -> list[str]:
         out += ["Reasoning:", "", *_fenced(reasoning), "", "Answer:", ""]
     out += _fenced(record["content"])
     return out
+
+
+# --------------------------------------------------------------------------- wiping
+
+# File systems on which an overwrite goes to new blocks, leaving the old ones as they were.
+_COPY_ON_WRITE = {"btrfs": "copy-on-write", "zfs": "copy-on-write", "bcachefs": "copy-on-write",
+                  "apfs": "copy-on-write", "f2fs": "log-structured", "nilfs2": "log-structured",
+                  "overlay": "layered (a copy may remain in a lower layer)"}
+_ZERO_CHUNK = 1 << 20
+
+
+def temp_copies(directory: Path, target: str) -> list[Path]:
+    """The atomic_write temp files for ``target`` in ``directory``, whoever wrote them."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = paths._TEMP_RE.fullmatch(name)
+        if m is not None and m["target"] == target:
+            found.append(Path(directory) / name)
+    return found
+
+
+def _zero_fd(fd: int) -> None:
+    """Overwrite a regular file's bytes in place with zeros, then fsync."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return
+    zeros = bytes(min(st.st_size, _ZERO_CHUNK))
+    done = 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while done < st.st_size:
+        chunk = min(len(zeros), st.st_size - done)
+        paths.write_all(fd, memoryview(zeros)[:chunk])
+        done += chunk
+    os.fsync(fd)
+
+
+def _overwrite_with_zeros(path: Path) -> bool:
+    """Zero ``path`` in place (no unlink). False if it does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        _zero_fd(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def wipe_file(path: Path, fd: int | None = None) -> bool:
+    """Overwrite ``path`` with zeros (through ``fd`` if the caller holds it open and locked),
+    fsync, then unlink it. False if it did not exist. The unlink is made durable by the
+    caller's fsync of the directory."""
+    if fd is None:
+        if not _overwrite_with_zeros(path):
+            return False
+    else:
+        _zero_fd(fd)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system holding ``path`` (Linux /proc/self/mountinfo, matched by
+    device number), or None where that cannot be known cheaply."""
+    try:
+        dev = os.stat(path).st_dev
+        if mountinfo is None:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields[6:]:
+            return fields[fields.index("-", 6) + 1]
+    return None
+
+
+def _non_rotating_disk(path: Path) -> bool | None:
+    """True if the disk under ``path`` says it is not rotating (an SSD, or a virtual disk),
+    False if it rotates, None if Linux sysfs cannot tell."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):  # a whole disk, or a partition of one
+        try:
+            return (queue / "rotational").read_text().strip() == "0"
+        except OSError:
+            continue
+    return None
+
+
+def wipe_caveat(path: Path, mountinfo: str | None = None) -> str:
+    """What overwriting files under ``path`` in place cannot promise, said for this machine
+    where it can be told cheaply (file system type, rotating or not), else in general."""
+    fs = _filesystem_type(path, mountinfo)
+    kind = _COPY_ON_WRITE.get(fs or "")
+    tail = ("only encryption (of the disk, or of the history) protects against that; backups and "
+            "file-system snapshots are not touched")
+    if kind is not None:
+        return (f"the history is on {fs}, a {kind} file system: the zeros were written to new blocks and "
+                f"the old ones may still hold the text until they are reused; {tail}")
+    where = f"the history is on {fs}" if fs else "the history's file system is unknown"
+    if _non_rotating_disk(path):
+        return (f"{where}, on a disk that reports itself as non-rotating (an SSD or a virtual disk): its "
+                f"controller remaps writes, so the old blocks may survive the overwrite; {tail}")
+    return (f"{where}; on SSDs and on copy-on-write file systems (btrfs, zfs, APFS) overwriting in place "
+            f"does not guarantee that the old blocks are gone; {tail}")
+
+
+def _take_answering_lock(fd: int, session_id: str) -> None:
+    """flock the answering file or raise SessionBusy. A check_idle() probe holds a shared
+    lock for microseconds, so a refusal is retried briefly before it is believed."""
+    for attempt in range(20):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.005)
+    raise SessionBusy(session_id, _pid_in(fd))
+
+
+def _pid_in(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _reason(exc: OSError) -> str:

@@ -616,69 +616,6 @@ def test_find_by_id_or_name_and_refuse_a_shared_name(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- issue 12: history and sessions
 
 
-def _glue(path: Path, line: int, cut: int) -> None:
-    """Damage line ``line`` (1-based): keep its first ``cut`` bytes and lose its line break,
-    so the next line is glued onto the fragment."""
-    lines = path.read_bytes().splitlines(keepends=True)
-    lines[line - 1] = lines[line - 1][:cut]
-    path.write_bytes(b"".join(lines))
-
-
-def test_answer_after_a_damaged_user_line_is_kept(store: HistoryStore) -> None:
-    sid = three_turns(store)
-    store.append(sid, assistant("the answer to second"))
-    _glue(session_file(store, sid), 4, 25)  # "second" lost half its bytes and its line break
-    loaded = store.load(sid)
-    assert [r["content"] for r in loaded.records] == ["first", "one", "the answer to second"]
-    assert len(loaded.skipped) == 1
-    assert "line 4" in loaded.skipped[0] and "25 damaged bytes skipped" in loaded.skipped[0]
-    # Only a lost line break: nothing is skipped at all.
-    sid2 = three_turns(store)
-    store.append(sid2, assistant("two"))
-    path = session_file(store, sid2)
-    _glue(path, 4, len(path.read_bytes().splitlines()[3]))
-    loaded = store.load(sid2)
-    assert [r["content"] for r in loaded.records] == ["first", "one", "second", "two"]
-    assert loaded.skipped == [] and "2 lines without the line break between them" in loaded.problems[0]
-
-
-def test_exports_say_exactly_which_lines_were_skipped(store: HistoryStore) -> None:
-    sid = three_turns(store)
-    store.append(sid, assistant("two"))
-    path = session_file(store, sid)
-    lines = path.read_bytes().splitlines(keepends=True)
-    lines[3] = b'{"role": "user", "content": "sec\n'  # the user line is damaged, the answer intact
-    path.write_bytes(b"".join(lines))
-    loaded = store.load(sid)
-    assert [r["content"] for r in loaded.records] == ["first", "one", "two"]
-    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("line 4:")
-    assert len(loaded.problems) == 2 and "line 5" in loaded.problems[1] and "kept" in loaded.problems[1]
-    md = store.export_markdown(sid)
-    assert "1 damaged line(s) of the session file were skipped" in md and "1 warning(s)" in md
-    assert "two" in md
-    _, warnings = store.export_peer_jsonl_checked(sid)
-    assert [w.split(":")[0] for w in warnings] == ["damaged line not exported", "exported, with a warning"]
-
-
-def test_atomic_write_refuses_a_directory_before_creating_anything(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "dir"
-    target.mkdir()
-    before = sorted(tmp_path.iterdir())
-    created: list[str] = []
-    real_open = os.open
-
-    def spy(path: Any, flags: int, *args: Any, **kw: Any) -> int:
-        if flags & os.O_CREAT:
-            created.append(os.fsdecode(path))
-        return real_open(path, flags, *args, **kw)
-
-    monkeypatch.setattr(os, "open", spy)
-    with pytest.raises(IsADirectoryError, match="is a directory"):
-        paths.atomic_write(target, b"text")
-    assert created == [] and sorted(tmp_path.iterdir()) == before
-
-
 def _under(path: Any, root: Path) -> bool:
     try:
         return os.path.abspath(os.fsdecode(path)).startswith(str(root))
@@ -852,6 +789,50 @@ def test_find_by_name_believes_the_session_file_not_a_stale_index(store: History
     assert json.loads(index.read_text()) == doc
 
 
+def _glue(path: Path, line: int, cut: int) -> None:
+    """Damage line ``line`` (1-based): keep its first ``cut`` bytes and lose its line break,
+    so the next line is glued onto the fragment."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = lines[line - 1][:cut]
+    path.write_bytes(b"".join(lines))
+
+
+def test_answer_after_a_damaged_user_line_is_kept(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("the answer to second"))
+    _glue(session_file(store, sid), 4, 25)  # "second" lost half its bytes and its line break
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "the answer to second"]
+    assert len(loaded.skipped) == 1
+    assert "line 4" in loaded.skipped[0] and "25 damaged bytes skipped" in loaded.skipped[0]
+    # Only a lost line break: nothing is skipped at all.
+    sid2 = three_turns(store)
+    store.append(sid2, assistant("two"))
+    path = session_file(store, sid2)
+    _glue(path, 4, len(path.read_bytes().splitlines()[3]))
+    loaded = store.load(sid2)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "second", "two"]
+    assert loaded.skipped == [] and "2 lines without the line break between them" in loaded.problems[0]
+
+
+def test_exports_say_exactly_which_lines_were_skipped(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("two"))
+    path = session_file(store, sid)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = b'{"role": "user", "content": "sec\n'  # the user line is damaged, the answer intact
+    path.write_bytes(b"".join(lines))
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "two"]
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("line 4:")
+    assert len(loaded.problems) == 2 and "line 5" in loaded.problems[1] and "kept" in loaded.problems[1]
+    md = store.export_markdown(sid)
+    assert "1 damaged line(s) of the session file were skipped" in md and "1 warning(s)" in md
+    assert "two" in md
+    _, warnings = store.export_peer_jsonl_checked(sid)
+    assert [w.split(":")[0] for w in warnings] == ["damaged line not exported", "exported, with a warning"]
+
+
 @pytest.mark.parametrize("make", ["directory", "symlink"])
 def test_an_index_that_is_not_a_file_is_named_with_what_to_do(store: HistoryStore, make: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -872,3 +853,82 @@ def test_an_index_that_is_not_a_file_is_named_with_what_to_do(store: HistoryStor
     assert main(["sessions", "list"]) == 1
     out = capsys.readouterr().err
     assert str(index) in out and "Errno" not in out
+
+
+def test_atomic_write_refuses_a_directory_before_creating_anything(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "dir"
+    target.mkdir()
+    before = sorted(tmp_path.iterdir())
+    created: list[str] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_CREAT:
+            created.append(os.fsdecode(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        paths.atomic_write(target, b"text")
+    assert created == [] and sorted(tmp_path.iterdir()) == before
+
+
+def test_answering_lock_names_the_process_that_holds_it(store: HistoryStore) -> None:
+    from k3chat.history import SessionBusy
+
+    sid = three_turns(store)
+    other = HistoryStore(store.root)  # another open of the lock file, as another process has
+    with store.answering(sid):
+        with pytest.raises(SessionBusy, match=rf"being answered by another k3chat \(pid {os.getpid()}\)"):
+            other.check_idle(sid)
+        with pytest.raises(SessionBusy):
+            with other.answering(sid):
+                pass
+    other.check_idle(sid)  # released
+    with other.answering(sid):
+        pass
+    assert stat.S_IMODE(os.stat(store.root / f"{sid}.answering").st_mode) == 0o600
+    store.delete(sid)
+    assert not (store.root / f"{sid}.answering").exists()
+
+
+def test_wipe_overwrites_every_copy_before_unlinking(store: HistoryStore) -> None:
+    from k3chat.history import SessionBusy
+
+    sid = three_turns(store)
+    keep = store.create("keep").id
+    path = session_file(store, sid)
+    temp = store.root / f".{sid}.jsonl.{os.getpid()}.0123456789ab.tmp"
+    temp.write_bytes(b"a copy of: first one second")
+    fds = {p: os.open(p, os.O_RDONLY) for p in (path, temp, store.root / "sessions.json")}
+    sizes = {p: os.fstat(fd).st_size for p, fd in fds.items()}
+    try:
+        with HistoryStore(store.root).answering(sid):
+            with pytest.raises(SessionBusy):
+                store.wipe(sid)
+        assert path.exists()
+        wiped = store.wipe(sid)
+        assert sorted(wiped) == sorted([path, temp])
+        for p, fd in fds.items():
+            data = os.pread(fd, sizes[p] + 1, 0)
+            assert len(data) == sizes[p] and data == bytes(sizes[p]), p  # the old bytes are zeros now
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert not path.exists() and not temp.exists()
+    assert list(json.loads((store.root / "sessions.json").read_text())["sessions"]) == [keep]
+    assert b"Case 12" not in (store.root / "sessions.json").read_bytes()
+    with pytest.raises(HistoryError, match="no session"):
+        store.wipe(sid)
+
+
+def test_wipe_caveat_says_what_this_file_system_cannot_promise(tmp_path: Path) -> None:
+    dev = os.stat(tmp_path).st_dev
+    line = f"36 35 {os.major(dev)}:{os.minor(dev)} / /data rw,relatime shared:1 - {{}} /dev/sda1 rw"
+    cow = history.wipe_caveat(tmp_path, mountinfo=line.format("btrfs"))
+    assert "btrfs, a copy-on-write file system" in cow and "may still hold" in cow
+    plain = history.wipe_caveat(tmp_path, mountinfo=line.format("ext4"))
+    assert "the history is on ext4" in plain and ("does not guarantee" in plain or "non-rotating" in plain)
+    unknown = history.wipe_caveat(tmp_path, mountinfo="")
+    assert "file system is unknown" in unknown and "encryption" in unknown
