@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
+from .history import (AmbiguousSession, HistoryError, HistoryStore, SessionBusy, SessionExists, SessionInfo,
+                      display_name, open_store)
 from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
                       SignalStops, memory_option, open_model)
 from .runtime import say as _err
@@ -317,6 +318,8 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
     loaded = store.load(info.id)
     records = loaded.records
     pending = bool(records) and records[-1]["role"] == "user"
+    if pending:
+        _check_not_being_answered(store, info)  # its message may be the other k3chat's
     if args.resume and not pending:
         raise _Usage(f"session {info.name!r} has no unanswered message to resume")
     if not args.resume and pending:
@@ -331,6 +334,13 @@ def _prepare_session(store: HistoryStore, args: argparse.Namespace) -> tuple[Ses
     return info, None
 
 
+def _check_not_being_answered(store: HistoryStore, info: SessionInfo) -> None:
+    try:
+        store.check_idle(info.id)
+    except SessionBusy as exc:
+        raise SessionBusy(repr(info.name) + f" ({info.id})", exc.pid) from None
+
+
 def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     _check_args(args)
     settings = _run_settings(args)
@@ -343,6 +353,8 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
         info, system = _prepare_session(store, args)
     except VaultError as exc:
         return _fail(str(exc), exc.exit_code)
+    except SessionBusy as exc:
+        return _fail(str(exc))
     except (HistoryError, paths.UnsafePathError, OSError) as exc:
         return _fail(f"cannot open the history: {exc}")
 
@@ -356,7 +368,12 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
         if info is None:
             name = args.session or _session_name(args.prompt)
             try:
-                info = created = store.create(name, model=model_dir.name)
+                # --session NAME names one session: created only if no other k3chat
+                # created it since this run looked (checked under the index lock).
+                info = created = store.create(name, model=model_dir.name, unique_name=args.session is not None)
+            except SessionExists as exc:
+                return _fail(f"another k3chat created session {exc.info.name!r} ({exc.info.id}) after this run "
+                             f"started; nothing was saved; continue it with --session {exc.info.id}")
             except (HistoryError, OSError) as exc:
                 return _fail(f"cannot create the session: {exc}")
         return _run_turn(args, settings, store, info, created is not None, system, opened.model,
@@ -464,9 +481,9 @@ def _summary(result: Any, info: SessionInfo) -> None:
 # --------------------------------------------------------------------------- sessions
 
 
-def _open_sessions_store() -> HistoryStore:
+def _open_sessions_store(read_only: bool = False) -> HistoryStore:
     from .conversation import sweep_state_temps
-    store = _open_store()
+    store = open_store(read_only=read_only)  # unlocks an encrypted history (the passphrase, once)
     try:
         sweep_state_temps()  # the history store sweeps its own directory when it opens
     except OSError as exc:
@@ -478,11 +495,13 @@ def sessions_main(args: argparse.Namespace) -> int:
     from . import paths
     _tolerant_streams()
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
-               "rename": _sessions_rename, "rm": _sessions_rm}
+               "rename": _sessions_rename, "rm": _sessions_rm, "wipe": _sessions_wipe}
     if args.action in ("encrypt", "decrypt"):
         return _sessions_convert(args.action)
     try:
-        store = _open_sessions_store()
+        # Reading needs no write access: a read-only home (or backup) can still be listed,
+        # shown and exported.
+        store = _open_sessions_store(read_only=args.action in ("list", "show", "export"))
         return actions[args.action](store, args)
     except _Usage as exc:
         return usage_error(str(exc))
@@ -535,8 +554,23 @@ def _sessions_show(store: HistoryStore, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _output_problem(output: str | None) -> str | None:
+    """Why ``-o OUTPUT`` cannot be written (checked before any work), or None."""
+    if not output:
+        return None
+    target = Path(output)
+    if target.is_dir():
+        return f"-o {output} is a directory; give a file name, e.g. -o {target / 'session.md'}"
+    if not target.parent.is_dir():
+        return f"-o {output}: the directory {target.parent} does not exist"
+    return None
+
+
 def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
     from . import paths
+    problem = _output_problem(args.output)
+    if problem is not None:
+        raise _Usage(problem)
     info = _resolve(store, args.session)
     code = EXIT_OK
     if args.format == "jsonl":
@@ -551,7 +585,10 @@ def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
             _err(f"warning: {problem} (noted in the export)")
         text = {"md": store.export_markdown, "json": store.export_json}[args.format](info.id)
     if args.output:
-        paths.atomic_write(Path(args.output), text.encode("utf-8"))
+        try:
+            paths.atomic_write(Path(args.output), text.encode("utf-8"))
+        except OSError as exc:
+            return _fail(f"cannot write {args.output}: {exc.strerror or exc}; nothing was written")
         _err(f"wrote {args.output} (mode 0600)")
         if store.vault is not None:
             _err(f"note: {args.output} is plaintext: the history is encrypted, this export is not")
@@ -572,19 +609,26 @@ def _sessions_rename(store: HistoryStore, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _confirmed(info: SessionInfo, args: argparse.Namespace, verb: str) -> bool:
+    """--yes, or a "y" typed at the terminal; without a terminal, --yes is required."""
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise _Usage(f"refusing to {verb} session {info.name!r} without --yes")
+    try:
+        answer = input(for_terminal(f"{verb.capitalize()} session {info.name!r} ({info.id}, {info.n_messages} "
+                                    "messages)? [y/N] "))
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
 def _sessions_rm(store: HistoryStore, args: argparse.Namespace) -> int:
     from .conversation import delete_state
     info = _resolve(store, args.session)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise _Usage(f"refusing to delete session {info.name!r} without --yes")
-        try:
-            answer = input(for_terminal(f"Delete session {info.name!r} ({info.id}, {info.n_messages} messages)? [y/N] "))
-        except EOFError:
-            answer = ""
-        if answer.strip().lower() not in ("y", "yes"):
-            _err("not deleted")
-            return EXIT_OK
+    if not _confirmed(info, args, "delete"):
+        _err("not deleted")
+        return EXIT_OK
     store.delete(info.id)  # also removes temp copies of the session file
     delete_state(info.id)  # the state file and its temp copies
     _err(f"deleted session {info.name!r} ({info.id})")
@@ -628,6 +672,27 @@ def _conversion_summary(action: str, report: Any) -> str:
         return done + "; the history is plaintext again and the key file is removed"
     return (done + "; from now on every command asks for the passphrase (or reads K3CHAT_PASSPHRASE_FILE). "
             "Copies of the replaced plaintext files may remain in the disk's free space")
+
+
+def _sessions_wipe(store: HistoryStore, args: argparse.Namespace) -> int:
+    from . import paths
+    from .conversation import state_path
+    from .history import temp_copies, wipe_caveat, wipe_file
+    info = _resolve(store, args.session)
+    if not _confirmed(info, args, "wipe"):
+        _err("not wiped")
+        return EXIT_OK
+    caveat = wipe_caveat(store.root)  # asked before the files are gone
+    wiped = store.wipe(info.id)  # the session file, its temp copies, its index entry
+    state = state_path(info.id)
+    state_files = [p for p in (state, *temp_copies(state.parent, state.name)) if wipe_file(p)]
+    if state_files:
+        paths.fsync_dir(state.parent)  # the unlinks, durable
+    wiped += state_files
+    _err(f"wiped session {info.name!r} ({info.id}): {len(wiped)} file(s) overwritten with zeros, synced and "
+         "deleted, and its index entry removed")
+    _err(f"note: {caveat}")
+    return EXIT_OK
 
 
 __all__ = ["run_chat", "sessions_main", "default_model_dir", "usage_error", "find_session"]

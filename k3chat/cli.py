@@ -83,7 +83,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("sessions", help="list, show, export, rename, delete or encrypt saved conversations")
+    s = sub.add_parser("sessions", help="list, show, export, rename, delete, wipe or encrypt saved conversations")
     ss = s.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = ss.add_parser("list", help="all sessions, most recent first")
     ls.add_argument("--json", action="store_true", help="print JSON")
@@ -103,6 +103,10 @@ def _add_sessions(sub: argparse._SubParsersAction) -> None:
     ss.add_parser("encrypt", help="encrypt the history at rest under a new passphrase (asked twice, or "
                                   "K3CHAT_PASSPHRASE_FILE); converts every session; run again to resume")
     ss.add_parser("decrypt", help="turn encryption off: convert the whole history back to plaintext")
+    wp = ss.add_parser("wipe", help="overwrite a session and its engine state with zeros, then delete them "
+                                    "(says what an overwrite cannot promise on this disk)")
+    wp.add_argument("session", help="session id or name")
+    wp.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:

@@ -435,6 +435,7 @@ class Conversation:
         if text == "":
             return None
         if self.pending_user:
+            self.store.check_idle(self.session_id)  # SessionBusy: that message is being answered elsewhere
             raise ConversationError("the last message has no answer yet: respond to it, or edit it")
         new: list[dict[str, Any]] = []
         if system is not None:
@@ -630,6 +631,12 @@ class Conversation:
     # ------------------------------------------------------------------ one turn
 
     def _turn(self, records: list[dict[str, Any]], commit: Callable[[], None], on_event: EventHandler) -> TurnResult:
+        # One k3chat answers a session at a time: another gets SessionBusy (with this pid)
+        # before it changes anything, instead of a refused save or advice to --resume.
+        with self.store.answering(self.session_id):
+            return self._answer(records, commit, on_event)
+
+    def _answer(self, records: list[dict[str, Any]], commit: Callable[[], None], on_event: EventHandler) -> TurnResult:
         prompt, boundary = self._encode(records)
         self._check_fits(prompt)  # before the history changes (spec 5.2 step 3)
         commit()  # spec 5.2 step 4: the user record is durable before any compute

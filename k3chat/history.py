@@ -8,9 +8,15 @@ Layout under the store root (default ``<data dir>/sessions``, 0700):
   the line being written, and renames do not rewrite the file.
 - ``sessions.json`` (0600): the index, a cache of what the JSONL files say. Written atomically.
   It records each file's size, so a stale entry (a crash between a record and the index update)
-  is noticed and recomputed; a missing or corrupt index is rebuilt from the files.
+  is noticed and recomputed; a missing or corrupt index is rebuilt from the files. Names are
+  checked against the files before a name lookup is answered (``find``).
 - ``sessions.lock``: flock'ed around every index update. The index itself cannot carry the
-  lock because each update replaces its inode.
+  lock because each update replaces its inode. A read-only store (``read_only=True``: list,
+  show, export) takes it shared when it can open it read-only, else reads without it, and
+  never writes anything.
+- ``<id>.answering`` (0600): flock'ed by the k3chat that is answering the session (from its
+  user record to its answer) and holding that process's pid, so a second one is told who is
+  answering instead of appending in between.
 
 Each session file is also flock'ed while it is appended to, so the "truncate back after a
 failed write" rollback can never cut another writer's line.
@@ -33,6 +39,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +58,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "sessions.json"
 LOCK_NAME = "sessions.lock"
 SUFFIX = ".jsonl"
+ANSWERING_SUFFIX = ".answering"
 FORMAT_VERSION = 1
 META_KEY = "k3chat"  # lines carrying this key are store metadata, never conversation records
 
@@ -86,6 +94,29 @@ class _SealedWithoutKey(HistoryError):
     """An encrypted file met by a store without the key."""
 
 
+class SessionExists(HistoryError):
+    """``create(..., unique_name=True)`` found the name taken (``info`` is that session)."""
+
+    def __init__(self, info: SessionInfo) -> None:
+        self.info = info
+        super().__init__(f"a session named {info.name!r} already exists ({info.id}); nothing was created")
+
+
+class SessionBusy(HistoryError):
+    """Another k3chat process is answering this session right now."""
+
+    def __init__(self, session: str, pid: int | None) -> None:
+        self.session = session
+        self.pid = pid
+        who = f"another k3chat (pid {pid})" if pid else "another k3chat"
+        super().__init__(f"session {session} is being answered by {who}; nothing was changed here: "
+                         "wait for it to finish (or stop it), then run again")
+
+
+class IndexUnreadable(HistoryError):
+    """The index file exists but cannot be read as a file; the message names it and the fix."""
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     id: str
@@ -101,6 +132,7 @@ class LoadedSession:
     records: list[dict[str, Any]]
     problems: list[str]  # one line per damaged or suspicious line, with its line number
     info: SessionInfo
+    skipped: list[str] = field(default_factory=list)  # the problems that cost a line (in problems too)
 
 
 # --------------------------------------------------------------------------- validation
@@ -271,6 +303,15 @@ class _Parsed:
     seqs: list[int] = field(default_factory=list)  # each kept record's sequence number
     last_seq: int = 0  # the highest sequence number any record line has had
     skipped: int = 0  # damaged lines so far (a count-based truncate after one is unreliable)
+    skipped_problems: list[str] = field(default_factory=list)  # the problems that cost a line
+
+
+def _skip(parsed: _Parsed, problem: str) -> None:
+    """A line (or part of one) that is not read: counted and reported as skipped, apart from
+    the warnings about records that are kept."""
+    parsed.skipped += 1
+    parsed.skipped_problems.append(problem)
+    parsed.problems.append(problem)
 
 
 def _meta_name(obj: Mapping[str, Any], number: int, parsed: _Parsed, what: str) -> str | None:
@@ -321,9 +362,8 @@ def _parse_truncate(obj: Mapping[str, Any], number: int, parsed: _Parsed) -> Non
                                    f"{len(parsed.records)} exist; check the conversation")
         del parsed.records[count:], parsed.seqs[count:]
     else:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: truncate line without a valid seq or record count, skipped; "
-                               "superseded answers may be shown")
+        _skip(parsed, f"line {number}: truncate line without a valid seq or record count, skipped; "
+                      "superseded answers may be shown")
         return
     parsed.last_role = parsed.records[-1]["role"] if parsed.records else None
 
@@ -340,32 +380,74 @@ def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
     elif kind == "truncate":
         _parse_truncate(obj, number, parsed)
     else:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
+        _skip(parsed, f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
+
+
+# Where one of our lines begins. The encoder escapes every quote inside a string, so this can
+# only match at the start of a line, or where a lost line break glued a line onto another.
+_LINE_START_RE = re.compile(rb'\{"(?:role|k3chat)":')
+
+
+def _decode(raw: bytes) -> tuple[Any, str | None]:
+    """(the JSON value of ``raw``, None), or (None, why it is not JSON)."""
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except UnicodeDecodeError:
+        return None, "not valid UTF-8"
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+
+
+def _glued_lines(raw: bytes) -> tuple[list[dict[str, Any]], int]:
+    """(the objects in a line that does not decode as a whole, the bytes they take): each
+    piece starting where one of our lines starts that decodes on its own, in order."""
+    bounds = sorted({0, *(m.start() for m in _LINE_START_RE.finditer(raw))})
+    found: list[dict[str, Any]] = []
+    used = 0
+    for piece in (raw[a:b] for a, b in zip(bounds, bounds[1:] + [len(raw)])):
+        obj, why = _decode(piece)
+        if why is None and isinstance(obj, dict):
+            found.append(obj)
+            used += len(piece)
+    return found, used
+
+
+def _parse_damaged(raw: bytes, number: int, parsed: _Parsed, why: str) -> None:
+    """Skip a line that does not decode, but keep the records a lost line break glued into
+    it (the answer after a damaged user line, say): only the damaged bytes are lost."""
+    glued, used = _glued_lines(raw)
+    if not glued:
+        _skip(parsed, f"line {number}: {why}, skipped")
+        return
+    lost = len(raw) - used
+    if lost:
+        _skip(parsed, f"line {number}: {why}: {lost} damaged bytes skipped; the {len(glued)} whole line(s) "
+                      "after them (a line break was lost) are read")
+    else:
+        parsed.problems.append(f"line {number}: {len(glued)} lines without the line break between them; "
+                               "all are read")
+    for obj in glued:
+        _parse_object(obj, number, parsed)
 
 
 def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
     if not raw.strip():
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: blank line, skipped")
+        _skip(parsed, f"line {number}: blank line, skipped")
         return
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: not valid UTF-8, skipped")
+    obj, why = _decode(raw)
+    if why is not None:
+        _parse_damaged(raw, number, parsed, why)
         return
-    except json.JSONDecodeError as exc:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}), skipped")
-        return
+    _parse_object(obj, number, parsed)
+
+
+def _parse_object(obj: Any, number: int, parsed: _Parsed) -> None:
     if isinstance(obj, dict) and META_KEY in obj:
         _parse_meta(obj, number, parsed)
         return
     problem = record_problem(obj)
     if problem is not None:
-        parsed.skipped += 1
-        parsed.problems.append(f"line {number}: invalid record ({for_terminal(problem)}), skipped")
+        _skip(parsed, f"line {number}: invalid record ({for_terminal(problem)}), skipped")
         return
     # Records written since sequence numbers carry their own; older ones are numbered by
     # their place among the record lines, as the writer of an old truncate line counted them.
@@ -376,7 +458,7 @@ def _parse_line(raw: bytes, number: int, parsed: _Parsed) -> None:
     order = _order_problem(parsed.last_role, obj["role"])
     if order is not None:
         # Kept: a lost line in between is the usual cause, and dropping this one would lose more.
-        parsed.problems.append(f"line {number}: {order}; a record before it may have been lost")
+        parsed.problems.append(f"line {number}: {order}; a record before it may have been lost (this one is kept)")
     parsed.records.append(obj)
     parsed.seqs.append(seq)
     parsed.last_seq = max(parsed.last_seq, seq)
@@ -400,10 +482,8 @@ def _parse_file(data: bytes, unseal: Callable[[bytes], bytes] | None = None) -> 
                 continue
         _parse_line(raw, number, parsed)
     if incomplete:
-        parsed.problems.append(
-            f"line {len(lines) + 1}: incomplete last line ({len(incomplete)} bytes, "
-            "a write was cut short), skipped"
-        )
+        _skip(parsed, f"line {len(lines) + 1}: incomplete last line ({len(incomplete)} bytes, "
+                      "a write was cut short), skipped")
     return parsed
 
 
@@ -412,6 +492,20 @@ def _iso(ts: float) -> str:
 
 
 # --------------------------------------------------------------------------- the store
+
+
+def _existing_private_dir(path: Path) -> Path:
+    """For a read-only store: ``path`` checked, never created or chmodded (0500 is as private
+    as 0700). One that is not ours, not a directory, or open to others goes through
+    ensure_private_dir, which refuses it or tightens it with its own message."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path  # nothing stored yet: an empty history
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return paths.ensure_private_dir(path)
+    return path
 
 
 @dataclass
@@ -425,31 +519,44 @@ class _Tail:
 
 
 class HistoryStore:
-    """Sessions on disk. Safe for several processes; not for several threads on one instance."""
+    """Sessions on disk. Safe for several processes; not for several threads on one instance.
 
-    def __init__(self, root: Path | None = None, *, vault: Vault | None = None) -> None:
+    ``read_only=True`` (list, show, export) creates, locks for writing and repairs nothing,
+    so a read-only home (chmod -w, a read-only mount or backup) can still be read.
+    """
+
+    def __init__(self, root: Path | None = None, *, vault: Vault | None = None, read_only: bool = False) -> None:
+        self.read_only = read_only
+        private_dir = _existing_private_dir if read_only else paths.ensure_private_dir
         if root is None:
-            paths.ensure_private_dir(paths.data_dir())
+            private_dir(paths.data_dir())
             root = paths.data_dir() / "sessions"
         if vault is None and key_file_beside(Path(root)).exists():
             # Never write plaintext into an encrypted history (open_store unlocks it).
             raise HistoryError(f"the history in {root} is encrypted: open it with its passphrase "
                                "(history.open_store)")
         self.vault = vault
-        self.root = paths.ensure_private_dir(Path(root))
+        self.root = private_dir(Path(root))
         self._tails: dict[str, _Tail] = {}
-        # Temp files of writers that died mid-write hold conversation text: remove them.
+        # Temp files of writers that died mid-write hold conversation text: remove them
+        # (best effort: on a read-only home they stay).
         paths.sweep_temps(self.root)
 
     # ---- public API
 
-    def create(self, name: str, *, model: str | None = None) -> SessionInfo:
+    def create(self, name: str, *, model: str | None = None, unique_name: bool = False) -> SessionInfo:
+        """A new empty session. With ``unique_name``, SessionExists if a session of that name
+        exists (as its file says): checked under the index lock, so of several processes
+        creating the same new name at once exactly one succeeds."""
         _check_name(name)
         if model is not None and _string_problem("model", model):
             raise HistoryError("model must be a string")
         now = time.time()
         with self._index_lock():
             entries = self._current_index()
+            taken = self._named_in(entries, name) if unique_name else []
+            if taken:
+                raise SessionExists(taken[0])
             session_id = self._new_id(now)
             header: dict[str, Any] = {META_KEY: "session", "version": FORMAT_VERSION, "id": session_id,
                                       "name": name, "created": now, "model": model}
@@ -466,18 +573,23 @@ class HistoryStore:
 
     def list(self) -> list[SessionInfo]:
         """All sessions, most recently updated first (stale index entries are refreshed)."""
-        with self._index_lock():
+        with self._reading():
             entries = self._current_index()
         infos = [_info(session_id, entry) for session_id, entry in entries.items()]
         return sorted(infos, key=lambda info: (info.updated, info.id), reverse=True)
 
     def find(self, ref: str) -> SessionInfo | None:
-        """A session by id, else by exact name; AmbiguousSession when several share it."""
-        infos = self.list()
-        for info in infos:
-            if info.id == ref:
-                return info
-        named = [info for info in infos if info.name == ref]
+        """A session by id, else by exact name; AmbiguousSession when several share it.
+
+        A name is answered by the session files, not by the index alone (a cache that may be
+        stale or edited): see _named_in.
+        """
+        with self._reading():
+            entries = self._current_index()
+            if ref in entries:
+                return _info(ref, entries[ref])
+            named = self._named_in(entries, ref)
+        named.sort(key=lambda info: (info.updated, info.id), reverse=True)
         if len(named) > 1:
             ids = ", ".join(info.id for info in named)
             raise AmbiguousSession(f"several sessions are named {ref!r} ({ids}); use an id")
@@ -514,7 +626,7 @@ class HistoryStore:
                            len(parsed.records), parsed.model)
         if parsed.created is None and not any(p.startswith("line 1:") for p in parsed.problems):
             parsed.problems.append("line 1: session header missing; name and creation time guessed")
-        return LoadedSession(parsed.records, parsed.problems, info)
+        return LoadedSession(parsed.records, parsed.problems, info, parsed.skipped_problems)
 
     def rename(self, session_id: str, name: str) -> SessionInfo:
         _check_id(session_id)
@@ -552,6 +664,7 @@ class HistoryStore:
 
         This is an unlink: on SSDs and journaling file systems overwriting in place does not
         reliably erase data, so we do not pretend to; full-disk encryption is the real answer.
+        ``wipe`` overwrites first, and says what that cannot promise.
         """
         _check_id(session_id)
         with self._index_lock():
@@ -563,9 +676,93 @@ class HistoryStore:
                 raise HistoryError(f"could not delete session {session_id!r}: {_reason(exc)}") from exc
             # A temp copy left by a crashed write of this session goes with it, whoever made it.
             paths.sweep_temps(self.root, target=f"{session_id}{SUFFIX}", any_pid=True)
+            self._remove_answering_lock(session_id)
             paths.fsync_dir(self.root)
             self._tails.pop(session_id, None)
             self._current_index()  # drops the entry of the file that is gone
+
+    def wipe(self, session_id: str) -> list[Path]:
+        """Overwrite the session file and its temp copies with zeros (fsynced), then unlink
+        them and drop the session from the index, whose old copy (it holds the name) is zeroed
+        too. Returns the files overwritten. Refused (SessionBusy) while a turn answers it.
+
+        What this cannot promise is said by wipe_caveat: SSDs and copy-on-write or
+        log-structured file systems may keep the old blocks.
+        """
+        _check_id(session_id)
+        path = self._path(session_id)
+        with self.answering(session_id):
+            try:
+                fd = paths.private_open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                raise HistoryError(f"no session {session_id!r}") from None
+            except OSError as exc:
+                raise HistoryError(f"could not wipe session {session_id!r}: {_reason(exc)}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # before the index lock, as appends take them
+                with self._index_lock():
+                    entries = self._current_index(save=False)  # the old index is zeroed, not replaced
+                    wiped = [path] if wipe_file(path, fd) else []
+                    wiped += [p for p in temp_copies(self.root, f"{session_id}{SUFFIX}") if wipe_file(p)]
+                    entries.pop(session_id, None)
+                    self._tails.pop(session_id, None)
+                    for index_copy in (self.root / INDEX_NAME, *temp_copies(self.root, INDEX_NAME)):
+                        _overwrite_with_zeros(index_copy)
+                    self._save_index_quietly(entries)
+                    paths.fsync_dir(self.root)
+            except OSError as exc:
+                raise HistoryError(f"could not wipe session {session_id!r}: {_reason(exc)}; run the wipe "
+                                   "again (what was already overwritten stays overwritten)") from exc
+            finally:
+                os.close(fd)
+        self._remove_answering_lock(session_id)
+        return wiped
+
+    # ---- who is answering a session
+
+    @contextmanager
+    def answering(self, session_id: str) -> Iterator[None]:
+        """Held by the k3chat that answers a session, from its user record to its answer: a
+        second one gets SessionBusy (naming this process's pid) instead of appending in
+        between or being told to answer a message that is being answered."""
+        _check_id(session_id)
+        if not self._path(session_id).exists():
+            raise HistoryError(f"no session {session_id!r}")
+        try:
+            fd = paths.private_open(self._answering_path(session_id), os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise HistoryError(f"could not lock session {session_id!r}: {_reason(exc)}") from exc
+        try:
+            _take_answering_lock(fd, session_id)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def check_idle(self, session_id: str) -> None:
+        """SessionBusy if another k3chat is answering ``session_id`` now. Read-only: works on
+        a read-only store too."""
+        _check_id(session_id)
+        try:
+            fd = os.open(self._answering_path(session_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # never answered here (or not readable): nobody we could name
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by close, at once
+        except BlockingIOError:
+            raise SessionBusy(session_id, _pid_in(fd)) from None
+        finally:
+            os.close(fd)
+
+    def _answering_path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}{ANSWERING_SUFFIX}"
+
+    def _remove_answering_lock(self, session_id: str) -> None:
+        try:
+            os.unlink(self._answering_path(session_id))
+        except OSError:
+            pass  # never created, or a read-only home: it holds only a pid
 
     def export_markdown(self, session_id: str) -> str:
         """The conversation for reading. Inert by construction: every message and every
@@ -578,8 +775,7 @@ class HistoryStore:
         info = loaded.info
         out = [f"# {_md_inline(info.name)}", "", f"Session `{info.id}`, created {_iso(info.created)}"
                + (f", model {_md_inline(info.model)}" if info.model else "") + "."]
-        if loaded.problems:
-            out += ["", f"> {len(loaded.problems)} damaged line(s) were skipped in this export."]
+        out += _markdown_damage(loaded)
         for record in loaded.records:
             out += ["", *_markdown_record(record)]
         return "\n".join(out) + "\n"
@@ -615,7 +811,9 @@ class HistoryStore:
         from k3chat.template import _skipped
 
         loaded = self.load(session_id)
-        warnings = [f"damaged line not exported: {p}" for p in loaded.problems]
+        skipped = set(loaded.skipped)
+        warnings = [f"damaged line not exported: {p}" if p in skipped else f"exported, with a warning: {p}"
+                    for p in loaded.problems]
         lines = []
         previous: str | None = None
         dropped_at: int | None = None
@@ -679,9 +877,10 @@ class HistoryStore:
                 self._tails[session_id] = _Tail((st.st_ino, size), role or tail.last_role, True, seq)
             try:
                 self._update_index_after_append(session_id, st, size, obj)
-            except OSError as exc:
+            except (OSError, IndexUnreadable) as exc:
                 # The line is durable; only the index (a cache, repaired by size) is stale.
-                log.warning("history index not updated (%s); it will be rebuilt", _reason(exc))
+                log.warning("history index not updated (%s); it will be rebuilt",
+                            _reason(exc) if isinstance(exc, OSError) else exc)
         finally:
             os.close(fd)  # also releases the flock
         return written
@@ -738,6 +937,8 @@ class HistoryStore:
         # Callers have already made their change durable in the session file; the index is
         # a cache whose staleness _current_index detects by file size. So a failure to write
         # it (disk full) is logged rather than reported as a failed save.
+        if self.read_only:
+            return  # repaired in memory only; a writer saves it
         try:
             self._store_index(entries)
         except OSError as exc:
@@ -747,15 +948,45 @@ class HistoryStore:
 
     @contextmanager
     def _index_lock(self) -> Iterator[None]:
-        fd = paths.private_open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        if self.read_only:
+            raise HistoryError("this history was opened read-only; nothing can be changed through it")
+        path = self.root / LOCK_NAME
+        try:
+            fd = paths.private_open(path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise HistoryError(f"cannot lock the history index {path} for writing: {_reason(exc)}; changing "
+                               f"sessions needs write access to {self.root} (reading them does not)") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
 
-    def _current_index(self) -> dict[str, dict[str, Any]]:
-        """The index, reconciled with the files on disk and saved if that changed it.
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The index lock for reading. A writable store takes it exclusive (a stale index is
+        repaired and saved); a read-only one shares it if the lock file opens read-only, else
+        reads without it: the index is only ever replaced whole and is checked against the
+        files' sizes, so what is read is consistent either way."""
+        if not self.read_only:
+            with self._index_lock():
+                yield
+            return
+        try:
+            fd: int | None = os.open(self.root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no lock file yet, or one we may not open: nobody to wait for we could see
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _current_index(self, *, save: bool = True) -> dict[str, dict[str, Any]]:
+        """The index, reconciled with the files on disk and saved (unless ``save`` is False)
+        if that changed it.
 
         Call with the index lock held.
         """
@@ -771,9 +1002,40 @@ class HistoryStore:
             entry = entries.get(session_id)
             if entry is None or entry["bytes"] != size:
                 changed |= self._refresh_entry(entries, session_id)
-        if changed:
+        if changed and save:
             self._save_index_quietly(entries)
         return entries
+
+    def _named_in(self, entries: dict[str, dict[str, Any]], name: str) -> list[SessionInfo]:
+        """The sessions whose files say they are named ``name``. The index is believed only when
+        every file it names so agrees; otherwise (or when it knows no session of that name,
+        which is what makes a caller create one) every file is asked, and entries whose name
+        the file contradicts are repaired. Call with the index lock held."""
+        claimed = [sid for sid, entry in entries.items() if entry["name"] == name]
+        if claimed and all(self._name_in_file(sid) == name for sid in claimed):
+            return [_info(sid, entries[sid]) for sid in claimed]
+        self._correct_names(entries)
+        return [_info(sid, entry) for sid, entry in entries.items() if entry["name"] == name]
+
+    def _name_in_file(self, session_id: str) -> str | None:
+        try:
+            return self.load(session_id).info.name
+        except HistoryError:
+            return None
+
+    def _correct_names(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Re-read every session file; an entry whose name its file contradicts is replaced,
+        reported, and the index saved."""
+        repaired = []
+        for session_id, entry in list(entries.items()):
+            said = entry["name"]
+            if self._refresh_entry(entries, session_id) and entries[session_id]["name"] != said:
+                repaired.append(f"{session_id} is {entries[session_id]['name']!r}, not {said!r}")
+        if repaired:
+            log.warning("history index %s disagreed with the session files (%s); the files are believed%s",
+                        self.root / INDEX_NAME, "; ".join(repaired),
+                        "" if self.read_only else " and the index is repaired")
+            self._save_index_quietly(entries)
 
     def _refresh_entry(self, entries: dict[str, dict[str, Any]], session_id: str) -> bool:
         try:
@@ -785,12 +1047,22 @@ class HistoryStore:
         return True
 
     def _read_index(self) -> dict[str, dict[str, Any]] | None:
+        path = self.root / INDEX_NAME
         try:
-            fd = os.open(self.root / INDEX_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO put in its place must not hang every command.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
+        except OSError as exc:
+            raise _unreadable_index(path, exc) from exc
+        try:
+            with os.fdopen(fd, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    raise _unreadable_index(path, kind="a directory" if stat.S_ISDIR(mode) else "not a regular file")
+                data = f.read()
+        except OSError as exc:
+            raise _unreadable_index(path, exc) from exc
         try:
             doc = json.loads(self._open_index(data))
             entries = doc["sessions"]
@@ -826,7 +1098,9 @@ class HistoryStore:
 
     def _session_files(self) -> dict[str, int]:
         """Session id -> file size, for every well-named session file."""
-        found = {}
+        found: dict[str, int] = {}
+        if self.read_only and not self.root.exists():
+            return found  # a read-only look at a home that has no history yet
         for entry in os.scandir(self.root):
             session_id = entry.name[: -len(SUFFIX)]
             if entry.name.endswith(SUFFIX) and _ID_RE.fullmatch(session_id) and entry.is_file(follow_symlinks=False):
@@ -882,17 +1156,31 @@ class HistoryStore:
                 return session_id
 
 
-def open_store(root: Path | None = None) -> HistoryStore:
+def open_store(root: Path | None = None, *, read_only: bool = False) -> HistoryStore:
     """The history store, unlocked when encryption is on (the passphrase is asked at most once
     per process; VaultError, exit code 2, when it cannot be had or is wrong)."""
     if root is None:
-        paths.ensure_private_dir(paths.data_dir())
+        (_existing_private_dir if read_only else paths.ensure_private_dir)(paths.data_dir())
         root = paths.data_dir() / "sessions"
     vault = unlock_if_enabled(key_file_beside(Path(root)))
     if vault is not None and vault.state != STATE_ON:
         log.warning("`k3chat sessions %s` did not finish; run it again to convert the rest of the history",
                     "decrypt" if vault.state == STATE_DECRYPTING else "encrypt")
-    return HistoryStore(root, vault=vault)
+    return HistoryStore(root, vault=vault, read_only=read_only)
+
+
+def _unreadable_index(path: Path, exc: OSError | None = None, *, kind: str | None = None) -> IndexUnreadable:
+    """Why the index cannot be read, naming it and what to do (it is only a cache)."""
+    rebuild = "k3chat rebuilds the index from the session files"
+    if exc is not None and exc.errno in (errno.ELOOP, errno.EISDIR):
+        kind = "a directory" if exc.errno == errno.EISDIR else "a symbolic link (never followed)"
+    if kind is not None or exc is None:
+        advice = f"it is {kind or 'not a regular file'}, not the index file: move it out of the way ({rebuild})"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        advice = "permission denied: it should be a file you own with mode 0600 (chmod 600 it)"
+    else:
+        advice = f"{_reason(exc)}: if it is damaged, move it out of the way ({rebuild})"
+    return IndexUnreadable(f"cannot read the history index {path}: {advice}")
 
 
 def _entry(info: SessionInfo, size: int) -> dict[str, Any]:
@@ -946,6 +1234,16 @@ def _fenced(text: str) -> list[str]:
     return [fence + "text", *text.split("\n"), fence]
 
 
+def _markdown_damage(loaded: LoadedSession) -> list[str]:
+    """What the export could not include and what it warns about, exactly (escaped)."""
+    if not loaded.problems:
+        return []
+    kept = len(loaded.problems) - len(loaded.skipped)
+    out = ["", f"> {len(loaded.skipped)} damaged line(s) of the session file were skipped in this export, "
+               f"every other record is here; {kept} warning(s) about records that are kept:", ">"]
+    return out + [f"> - {_md_inline(problem)}" for problem in loaded.problems]
+
+
 def _markdown_record(record: Mapping[str, Any]) -> list[str]:
     heading = f"## {record['role'].capitalize()}"
     if _is_number(record.get("time")):
@@ -958,6 +1256,144 @@ def _markdown_record(record: Mapping[str, Any]) -> list[str]:
         out += ["Reasoning:", "", *_fenced(reasoning), "", "Answer:", ""]
     out += _fenced(record["content"])
     return out
+
+
+# --------------------------------------------------------------------------- wiping
+
+# File systems on which an overwrite goes to new blocks, leaving the old ones as they were.
+_COPY_ON_WRITE = {"btrfs": "copy-on-write", "zfs": "copy-on-write", "bcachefs": "copy-on-write",
+                  "apfs": "copy-on-write", "f2fs": "log-structured", "nilfs2": "log-structured",
+                  "overlay": "layered (a copy may remain in a lower layer)"}
+_ZERO_CHUNK = 1 << 20
+
+
+def temp_copies(directory: Path, target: str) -> list[Path]:
+    """The atomic_write temp files for ``target`` in ``directory``, whoever wrote them."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = paths._TEMP_RE.fullmatch(name)
+        if m is not None and m["target"] == target:
+            found.append(Path(directory) / name)
+    return found
+
+
+def _zero_fd(fd: int) -> None:
+    """Overwrite a regular file's bytes in place with zeros, then fsync."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return
+    zeros = bytes(min(st.st_size, _ZERO_CHUNK))
+    done = 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while done < st.st_size:
+        chunk = min(len(zeros), st.st_size - done)
+        paths.write_all(fd, memoryview(zeros)[:chunk])
+        done += chunk
+    os.fsync(fd)
+
+
+def _overwrite_with_zeros(path: Path) -> bool:
+    """Zero ``path`` in place (no unlink). False if it does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        _zero_fd(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def wipe_file(path: Path, fd: int | None = None) -> bool:
+    """Overwrite ``path`` with zeros (through ``fd`` if the caller holds it open and locked),
+    fsync, then unlink it. False if it did not exist. The unlink is made durable by the
+    caller's fsync of the directory."""
+    if fd is None:
+        if not _overwrite_with_zeros(path):
+            return False
+    else:
+        _zero_fd(fd)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system holding ``path`` (Linux /proc/self/mountinfo, matched by
+    device number), or None where that cannot be known cheaply."""
+    try:
+        dev = os.stat(path).st_dev
+        if mountinfo is None:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields[6:]:
+            return fields[fields.index("-", 6) + 1]
+    return None
+
+
+def _non_rotating_disk(path: Path) -> bool | None:
+    """True if the disk under ``path`` says it is not rotating (an SSD, or a virtual disk),
+    False if it rotates, None if Linux sysfs cannot tell."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):  # a whole disk, or a partition of one
+        try:
+            return (queue / "rotational").read_text().strip() == "0"
+        except OSError:
+            continue
+    return None
+
+
+def wipe_caveat(path: Path, mountinfo: str | None = None) -> str:
+    """What overwriting files under ``path`` in place cannot promise, said for this machine
+    where it can be told cheaply (file system type, rotating or not), else in general."""
+    fs = _filesystem_type(path, mountinfo)
+    kind = _COPY_ON_WRITE.get(fs or "")
+    tail = ("only encryption (of the disk, or of the history) protects against that; backups and "
+            "file-system snapshots are not touched")
+    if kind is not None:
+        return (f"the history is on {fs}, a {kind} file system: the zeros were written to new blocks and "
+                f"the old ones may still hold the text until they are reused; {tail}")
+    where = f"the history is on {fs}" if fs else "the history's file system is unknown"
+    if _non_rotating_disk(path):
+        return (f"{where}, on a disk that reports itself as non-rotating (an SSD or a virtual disk): its "
+                f"controller remaps writes, so the old blocks may survive the overwrite; {tail}")
+    return (f"{where}; on SSDs and on copy-on-write file systems (btrfs, zfs, APFS) overwriting in place "
+            f"does not guarantee that the old blocks are gone; {tail}")
+
+
+def _take_answering_lock(fd: int, session_id: str) -> None:
+    """flock the answering file or raise SessionBusy. A check_idle() probe holds a shared
+    lock for microseconds, so a refusal is retried briefly before it is believed."""
+    for attempt in range(20):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.005)
+    raise SessionBusy(session_id, _pid_in(fd))
+
+
+def _pid_in(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _reason(exc: OSError) -> str:

@@ -10,6 +10,7 @@ tests use it so they never touch the real home. POSIX only (the store relies on 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -196,8 +197,12 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> None:
 
     Temp file in the same directory (O_EXCL, 0600) -> write -> fsync -> os.replace -> fsync
     the directory. On any failure the temp file is removed and ``path`` is unchanged.
+    A directory ``path`` is refused before anything is created (its temp file would land in
+    the parent, and the replace would fail anyway).
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file name to write", str(path))
     tmp = temp_name(path)
     chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     fd = private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

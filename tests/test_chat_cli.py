@@ -428,3 +428,94 @@ def test_peer_export_with_damaged_lines_warns_and_fails(home: Path, tmp_path: Pa
     err = capsys.readouterr().err
     assert "damaged line not exported" in err and "incomplete" in err
     assert dest.read_text() == out  # still written, with what could be read
+
+
+# --------------------------------------------------------------------------- issue 12: sessions
+
+
+def _history_session(name: str, *, pending: bool = False) -> str:
+    store = HistoryStore()
+    sid = store.create(name).id
+    store.append(sid, {"role": "user", "content": "q"})
+    if not pending:
+        store.append(sid, {"role": "assistant", "content": "a", "reasoning_content": "r"})
+    return sid
+
+
+def test_a_session_being_answered_elsewhere_is_named_not_resumed(tiny_dir: Path, home: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    pending = _history_session("busy", pending=True)
+    answered = _history_session("idle")
+    other = HistoryStore()  # the other k3chat: its own open of the answering lock
+    with other.answering(pending):
+        # Started while the other one answers its message: told who, not "--resume".
+        assert main(["run", str(tiny_dir), "--prompt", "mine", "--session", "busy"]) == 1
+        err = capsys.readouterr().err
+        assert f"is being answered by another k3chat (pid {os.getpid()})" in err and "--resume" not in err
+        assert main(["run", str(tiny_dir), "--session", "busy", "--resume"]) == 1
+        assert "being answered" in capsys.readouterr().err
+    with other.answering(answered):
+        # Started before the other one saved its message: refused before anything is saved.
+        before = records(home, answered)
+        assert main(["run", str(tiny_dir), "--prompt", "mine", "--session", "idle", "--max-tokens", "2"]) == 1
+        assert "being answered by another k3chat" in capsys.readouterr().err
+        assert records(home, answered) == before
+
+
+def test_two_runs_creating_one_session_name_make_one_session(tiny_dir: Path, home: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    real_create = HistoryStore.create
+    rival: list[str] = []
+
+    def other_run_wins(self: HistoryStore, name: str, **kw: Any) -> Any:
+        # The other `run --session S` created S while this one was opening the model.
+        if not rival:
+            rival.append(real_create(HistoryStore(self.root), name).id)
+        return real_create(self, name, **kw)
+
+    monkeypatch.setattr(HistoryStore, "create", other_run_wins)
+    assert main(["run", str(tiny_dir), "--prompt", "hi", "--session", "S", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"another k3chat created session 'S' ({rival[0]})" in err and f"--session {rival[0]}" in err
+    assert [(i.id, i.name) for i in HistoryStore().list()] == [(rival[0], "S")]
+
+
+def test_export_to_a_directory_is_refused_before_any_file_is_made(home: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    sid = _history_session("x")
+    out_dir = tmp_path / "exports"
+    out_dir.mkdir()
+    before = sorted(tmp_path.iterdir())
+    assert main(["sessions", "export", sid, "-o", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {out_dir} is a directory; give a file name" in err
+    assert sorted(tmp_path.iterdir()) == before and list(out_dir.iterdir()) == []
+    assert main(["sessions", "export", sid, "-o", str(tmp_path / "missing" / "x.md")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sessions_wipe_zeroes_history_and_state_then_deletes(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sid = _history_session("Patient 12")
+    keep = _history_session("other")
+    session = HistoryStore().root / f"{sid}.jsonl"
+    sp = state_path(sid)
+    sp.parent.mkdir(parents=True, exist_ok=True)
+    sp.write_bytes(b"state: the conversation as ids")
+    state_temp = sp.parent / f".{sp.name}.{os.getpid()}.0123456789ab.tmp"
+    state_temp.write_bytes(b"state copy")
+    assert main(["sessions", "wipe", sid]) == 2  # not a terminal and no --yes: refused
+    assert "refusing to wipe session 'Patient 12' without --yes" in capsys.readouterr().err
+    fds = [os.open(p, os.O_RDONLY) for p in (session, sp, state_temp)]
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    try:
+        assert main(["sessions", "wipe", "Patient 12", "-y"]) == 0
+        for fd, size in zip(fds, sizes):
+            assert os.pread(fd, size, 0) == bytes(size)  # overwritten before the unlink
+    finally:
+        for fd in fds:
+            os.close(fd)
+    err = capsys.readouterr().err
+    assert "3 file(s) overwritten with zeros" in err and "note:" in err and "encryption" in err
+    assert not session.exists() and not sp.exists() and not state_temp.exists()
+    assert [i.id for i in HistoryStore().list()] == [keep]

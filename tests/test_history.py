@@ -7,6 +7,9 @@ import json
 import multiprocessing
 import os
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -608,3 +611,324 @@ def test_find_by_id_or_name_and_refuse_a_shared_name(tmp_path: Path) -> None:
     with pytest.raises(AmbiguousSession, match="use an id"):
         store.find("beta")
     assert store.find(b2.id).id == b2.id and b1.id != b2.id
+
+
+# ---------------------------------------------------------------- issue 12: history and sessions
+
+
+def _under(path: Any, root: Path) -> bool:
+    try:
+        return os.path.abspath(os.fsdecode(path)).startswith(str(root))
+    except TypeError:
+        return False  # an fd
+
+
+@pytest.fixture
+def read_only_fs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make a directory behave as a read-only mount (EROFS for every change under it), as a
+    chmod -w home does for a user that is not root: tests often run as root, whom chmod does
+    not stop."""
+    def install(root: Path) -> None:
+        def refuse(path: Any) -> None:
+            raise OSError(errno.EROFS, "Read-only file system", os.fsdecode(path))
+
+        real_open = os.open
+        writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+        def ro_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Any = None) -> int:
+            if flags & writing and _under(path, root):
+                refuse(path)
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "open", ro_open)
+        for name in ("mkdir", "chmod", "unlink", "rmdir"):
+            real = getattr(os, name)
+
+            def guarded(path: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
+                if _under(path, root):
+                    refuse(path)
+                return _real(path, *args, **kw)
+
+            monkeypatch.setattr(os, name, guarded)
+        for name in ("replace", "rename"):
+            real = getattr(os, name)
+
+            def guarded2(src: Any, dst: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
+                if _under(src, root) or _under(dst, root):
+                    refuse(dst)
+                return _real(src, dst, *args, **kw)
+
+            monkeypatch.setattr(os, name, guarded2)
+
+    return install
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_read_only_home_still_lists_shows_and_exports(home: Path, tmp_path: Path, read_only_fs: Any,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    store = HistoryStore()
+    sid = three_turns(store)
+    store.append(sid, assistant("two"))
+    before = _snapshot(home)
+    read_only_fs(home)
+    assert main(["sessions", "list"]) == 0
+    assert "Case 12" in capsys.readouterr().out
+    assert main(["sessions", "show", "Case 12"]) == 0
+    assert "second" in capsys.readouterr().out
+    assert main(["sessions", "export", sid, "--format", "json"]) == 0
+    assert [r["content"] for r in json.loads(capsys.readouterr().out)["records"]] == ["first", "one", "second", "two"]
+    dest = tmp_path / "out.md"  # outside the read-only home
+    assert main(["sessions", "export", "Case 12", "-o", str(dest)]) == 0
+    assert "## Assistant" in dest.read_text()
+    # A stale index is worked around in memory, not repaired on disk.
+    assert main(["sessions", "list", "--json"]) == 0
+    capsys.readouterr()
+    # Commands that write still fail, clearly, and nothing changed.
+    assert main(["sessions", "rename", sid, "New"]) == 1
+    err = capsys.readouterr().err
+    assert "sessions.lock" in err and "write access" in err
+    assert _snapshot(home) == before
+
+
+def test_read_only_home_without_history_lists_nothing(home: Path, read_only_fs: Any,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    home.mkdir(mode=0o700)
+    read_only_fs(home)
+    assert main(["sessions", "list"]) == 0
+    assert "no sessions" in capsys.readouterr().err
+    assert main(["sessions", "show", "x"]) == 2
+    assert list(home.iterdir()) == []
+
+
+def test_read_only_store_shares_the_lock_file_opened_read_only(store: HistoryStore,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    sid = three_turns(store)
+    taken: list[tuple[int, int]] = []
+    real_flock = fcntl.flock
+
+    def spy(fd: int, op: int) -> None:
+        taken.append((fcntl.fcntl(fd, fcntl.F_GETFL), op))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", spy)
+    reader = HistoryStore(store.root, read_only=True)
+    assert [i.id for i in reader.list()] == [sid]
+    assert taken and all(flags & os.O_ACCMODE == os.O_RDONLY and op == fcntl.LOCK_SH for flags, op in taken)
+    with pytest.raises(HistoryError, match="read-only"):
+        reader.rename(sid, "x")
+
+
+def _create_when_told(root: Path, go: Path, name: str) -> subprocess.Popen[str]:
+    code = ("import sys, time\n"
+            "from pathlib import Path\n"
+            "from k3chat.history import HistoryStore, SessionExists\n"
+            "store = HistoryStore(Path(sys.argv[1]))\n"
+            "while not Path(sys.argv[2]).exists():\n"
+            "    time.sleep(0.001)\n"
+            "try:\n"
+            "    print('created', store.create(sys.argv[3], unique_name=True).id)\n"
+            "except SessionExists as exc:\n"
+            "    print('exists', exc.info.id)\n")
+    return subprocess.Popen([sys.executable, "-c", code, str(root), str(go), name], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_processes_creating_one_new_name_make_one_session(tmp_path: Path) -> None:
+    root = tmp_path / "h"
+    HistoryStore(root)
+    go = tmp_path / "go"
+    procs = [_create_when_told(root, go, "S") for _ in range(3)]
+    time.sleep(0.5)  # all three are waiting
+    go.touch()
+    outs = [p.communicate(timeout=60)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(kind for kind, _ in outs) == ["created", "exists", "exists"]
+    assert len({sid for _, sid in outs}) == 1  # the losers were told the winner's id
+    assert [i.name for i in HistoryStore(root).list()] == ["S"]
+
+
+def test_unique_create_refuses_a_name_taken_by_a_file_the_index_misnames(store: HistoryStore) -> None:
+    from k3chat.history import SessionExists
+
+    sid = three_turns(store)
+    index = store.root / "sessions.json"
+    doc = json.loads(index.read_text())
+    doc["sessions"][sid]["name"] = "Something else"  # the index lies; the file says "Case 12"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(SessionExists, match=sid):
+        store.create("Case 12", unique_name=True)
+    assert [i.name for i in store.list()] == ["Case 12"]  # and the index was repaired
+
+
+def test_find_by_name_believes_the_session_file_not_a_stale_index(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    other = store.create("Other").id
+    index = store.root / "sessions.json"
+    doc = json.loads(index.read_text())
+    doc["sessions"][sid]["name"] = "Renamed in the index only"
+    doc["sessions"][other]["name"] = "Case 12"  # and a wrong claim to the name
+    index.write_text(json.dumps(doc))
+    found = store.find("Case 12")
+    assert found is not None and found.id == sid and found.name == "Case 12"
+    repaired = json.loads(index.read_text())["sessions"]
+    assert (repaired[sid]["name"], repaired[other]["name"]) == ("Case 12", "Other")
+    assert store.find("Renamed in the index only") is None
+    # A read-only store answers from the files too, without writing.
+    index.write_text(json.dumps(doc))
+    found = HistoryStore(store.root, read_only=True).find("Case 12")
+    assert found is not None and found.id == sid
+    assert json.loads(index.read_text()) == doc
+
+
+def _glue(path: Path, line: int, cut: int) -> None:
+    """Damage line ``line`` (1-based): keep its first ``cut`` bytes and lose its line break,
+    so the next line is glued onto the fragment."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = lines[line - 1][:cut]
+    path.write_bytes(b"".join(lines))
+
+
+def test_answer_after_a_damaged_user_line_is_kept(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("the answer to second"))
+    _glue(session_file(store, sid), 4, 25)  # "second" lost half its bytes and its line break
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "the answer to second"]
+    assert len(loaded.skipped) == 1
+    assert "line 4" in loaded.skipped[0] and "25 damaged bytes skipped" in loaded.skipped[0]
+    # Only a lost line break: nothing is skipped at all.
+    sid2 = three_turns(store)
+    store.append(sid2, assistant("two"))
+    path = session_file(store, sid2)
+    _glue(path, 4, len(path.read_bytes().splitlines()[3]))
+    loaded = store.load(sid2)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "second", "two"]
+    assert loaded.skipped == [] and "2 lines without the line break between them" in loaded.problems[0]
+
+
+def test_exports_say_exactly_which_lines_were_skipped(store: HistoryStore) -> None:
+    sid = three_turns(store)
+    store.append(sid, assistant("two"))
+    path = session_file(store, sid)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = b'{"role": "user", "content": "sec\n'  # the user line is damaged, the answer intact
+    path.write_bytes(b"".join(lines))
+    loaded = store.load(sid)
+    assert [r["content"] for r in loaded.records] == ["first", "one", "two"]
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("line 4:")
+    assert len(loaded.problems) == 2 and "line 5" in loaded.problems[1] and "kept" in loaded.problems[1]
+    md = store.export_markdown(sid)
+    assert "1 damaged line(s) of the session file were skipped" in md and "1 warning(s)" in md
+    assert "two" in md
+    _, warnings = store.export_peer_jsonl_checked(sid)
+    assert [w.split(":")[0] for w in warnings] == ["damaged line not exported", "exported, with a warning"]
+
+
+@pytest.mark.parametrize("make", ["directory", "symlink"])
+def test_an_index_that_is_not_a_file_is_named_with_what_to_do(store: HistoryStore, make: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    sid = three_turns(store)
+    index = store.root / "sessions.json"
+    index.unlink()
+    if make == "directory":
+        index.mkdir()
+    else:
+        index.symlink_to(store.root / f"{sid}.jsonl")
+    with pytest.raises(HistoryError, match=f"cannot read the history index {index}: it is a") as err:
+        store.list()
+    assert "move it out of the way" in str(err.value)
+    stored = store.append(sid, assistant("kept"))  # the record itself is saved all the same
+    assert store.load(sid).records[-1] == stored
+    assert main(["sessions", "list"]) == 1
+    out = capsys.readouterr().err
+    assert str(index) in out and "Errno" not in out
+
+
+def test_atomic_write_refuses_a_directory_before_creating_anything(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "dir"
+    target.mkdir()
+    before = sorted(tmp_path.iterdir())
+    created: list[str] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_CREAT:
+            created.append(os.fsdecode(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        paths.atomic_write(target, b"text")
+    assert created == [] and sorted(tmp_path.iterdir()) == before
+
+
+def test_answering_lock_names_the_process_that_holds_it(store: HistoryStore) -> None:
+    from k3chat.history import SessionBusy
+
+    sid = three_turns(store)
+    other = HistoryStore(store.root)  # another open of the lock file, as another process has
+    with store.answering(sid):
+        with pytest.raises(SessionBusy, match=rf"being answered by another k3chat \(pid {os.getpid()}\)"):
+            other.check_idle(sid)
+        with pytest.raises(SessionBusy):
+            with other.answering(sid):
+                pass
+    other.check_idle(sid)  # released
+    with other.answering(sid):
+        pass
+    assert stat.S_IMODE(os.stat(store.root / f"{sid}.answering").st_mode) == 0o600
+    store.delete(sid)
+    assert not (store.root / f"{sid}.answering").exists()
+
+
+def test_wipe_overwrites_every_copy_before_unlinking(store: HistoryStore) -> None:
+    from k3chat.history import SessionBusy
+
+    sid = three_turns(store)
+    keep = store.create("keep").id
+    path = session_file(store, sid)
+    temp = store.root / f".{sid}.jsonl.{os.getpid()}.0123456789ab.tmp"
+    temp.write_bytes(b"a copy of: first one second")
+    fds = {p: os.open(p, os.O_RDONLY) for p in (path, temp, store.root / "sessions.json")}
+    sizes = {p: os.fstat(fd).st_size for p, fd in fds.items()}
+    try:
+        with HistoryStore(store.root).answering(sid):
+            with pytest.raises(SessionBusy):
+                store.wipe(sid)
+        assert path.exists()
+        wiped = store.wipe(sid)
+        assert sorted(wiped) == sorted([path, temp])
+        for p, fd in fds.items():
+            data = os.pread(fd, sizes[p] + 1, 0)
+            assert len(data) == sizes[p] and data == bytes(sizes[p]), p  # the old bytes are zeros now
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert not path.exists() and not temp.exists()
+    assert list(json.loads((store.root / "sessions.json").read_text())["sessions"]) == [keep]
+    assert b"Case 12" not in (store.root / "sessions.json").read_bytes()
+    with pytest.raises(HistoryError, match="no session"):
+        store.wipe(sid)
+
+
+def test_wipe_caveat_says_what_this_file_system_cannot_promise(tmp_path: Path) -> None:
+    dev = os.stat(tmp_path).st_dev
+    line = f"36 35 {os.major(dev)}:{os.minor(dev)} / /data rw,relatime shared:1 - {{}} /dev/sda1 rw"
+    cow = history.wipe_caveat(tmp_path, mountinfo=line.format("btrfs"))
+    assert "btrfs, a copy-on-write file system" in cow and "may still hold" in cow
+    plain = history.wipe_caveat(tmp_path, mountinfo=line.format("ext4"))
+    assert "the history is on ext4" in plain and ("does not guarantee" in plain or "non-rotating" in plain)
+    unknown = history.wipe_caveat(tmp_path, mountinfo="")
+    assert "file system is unknown" in unknown and "encryption" in unknown
