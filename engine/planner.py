@@ -107,8 +107,6 @@ MAX_COMPUTE_THREADS = 64  # the engine's thread cap; MLA score rows are per thre
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
-# Tensors the spec expects in F32 (spec 3.3); with them the real trunk is 108,811,694,848 B.
-_F32_SUFFIXES = ("_conv1d.weight", ".dt_bias", ".A_log")
 
 # The matrices of a layer, as the engine binds them (km_bind_layer in native/k3_load.c):
 # kept in their stored dtype and, when the layer streams, read through the ring in two
@@ -173,12 +171,7 @@ def _expected_nbytes(cfg: ModelConfig, name: str, spec: TensorSpec) -> tuple[int
         # A_log ships zero-padded to the KDA head width (128 for 96 heads in the release;
         # the fixture writer pads the same way), so its length is max(H_k, D).
         shape = (max(shape[0], cfg.kda_head_dim),)
-    if spec.kind == "expert":
-        dtype = "U8"
-    elif name.endswith(_F32_SUFFIXES):
-        dtype = "F32"
-    else:
-        dtype = "BF16"
+    (dtype,) = spec.dtypes  # the catalogue allows exactly one dtype per tensor
     numel = 1
     for dim in shape:
         numel *= dim
@@ -294,7 +287,7 @@ def sizes_from_names(cfg: ModelConfig, names: Iterable[str],
     expected = expected_tensors(cfg)
     names = set(names) | set(headers)
     problems = _name_problems(expected, names)
-    misshapen = [f"{n}: {p}" for n, info in headers.items()
+    misshapen = [f"{n} in {info.shard}: {p}" for n, info in headers.items()
                  if n in expected and (p := expected[n].problem(info))]
     if misshapen:
         problems.append(f"{len(misshapen)} tensor(s) misshapen or of the wrong dtype, e.g. "
