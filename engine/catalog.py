@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import MXFP4_GROUP, TRUNK_DTYPES, ModelConfig
 from .errors import TensorSetError
-from .safetensors_io import LANGUAGE_PREFIX, Checkpoint, TensorInfo
+from .safetensors_io import LANGUAGE_PREFIX, Checkpoint, TensorInfo, warn_total_size_once
 
 __all__ = [
     "TensorSpec", "Run", "RunPlan", "EXPERT_PARTS", "EXPERT_MARK",
@@ -314,12 +314,15 @@ def bind(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     extra.sort()
     misshapen = _check_found(expected, found)
     if not (missing or extra or misshapen):
+        warn_total_size_once(ckpt)
         return
     lines = [f"{ckpt.dir}: the checkpoint does not match its config.json "
              f"({len(missing)} missing, {len(extra)} unexpected, {len(misshapen)} misshapen):"]
     lines += _listing("missing", _missing_lines(missing, ckpt))
     lines += _listing("unexpected (not used by this config)", extra)
     lines += _listing("misshapen or wrong dtype", misshapen)
+    if ckpt.total_size_problem:
+        lines.append(f"  also: {ckpt.total_size_problem}")
     lines.append("The shards and config.json must come from the same release: re-download the "
                  "shards named above, or the config if the shards are right.")
     raise TensorSetError("\n".join(lines), missing, extra, misshapen)

@@ -82,7 +82,8 @@ from .catalog import (TensorSpec, expected_tensors, expert_names, layer_prefix, 
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
 from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NAME,
-                             JSONStrictError, open_checkpoint, strict_json_loads)
+                             JSONStrictError, open_checkpoint, strict_json_loads,
+                             warn_total_size_once)
 
 __all__ = [
     "Plan", "PlanError", "TensorSizes", "make_plan", "minimum_budget", "max_context",
@@ -335,7 +336,10 @@ def tensor_sizes_from_dir(model_dir: str | Path, cfg: ModelConfig | None = None)
     cfg = cfg if cfg is not None else load_config(model_dir)
     if (model_dir / INDEX_NAME).exists() or (model_dir / SINGLE_NAME).exists():
         ckpt = open_checkpoint(model_dir)
-        return sizes_from_names(cfg, ckpt.assigned, ckpt.tensors)
+        sizes = sizes_from_names(cfg, ckpt.assigned, ckpt.tensors)
+        if not ckpt.missing_shards:  # then every tensor was checked against its header
+            warn_total_size_once(ckpt)
+        return sizes
     gz = model_dir / GZ_INDEX_NAME
     if gz.exists():
         return sizes_from_names(cfg, _gz_index_names(gz))

@@ -274,9 +274,15 @@ def test_vision_shard_may_be_absent(tmp_path: Path) -> None:
     assert ckpt.missing_shards == [SV] and ckpt.shards == [S1, S2]
 
 
-def test_total_size_checked_when_all_shards_present(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="total_size is 27"):
-        open_checkpoint(sharded(tmp_path, total=27))
+def test_wrong_total_size_is_not_refused_at_open_but_kept_for_bind(tmp_path: Path) -> None:
+    # Published indexes sometimes carry a wrong total: open leaves the verdict to whoever
+    # checks every tensor's shape and dtype (bind, the planner).
+    ckpt = open_checkpoint(sharded(tmp_path, total=27))
+    assert ckpt.total_size == 27 and ckpt.shard_total == 28
+    assert ckpt.total_size_problem == (f"{tmp_path / INDEX_NAME}: metadata.total_size is 27 "
+                                       f"but the shards hold 28 tensor bytes")
+    (tmp_path / "ok").mkdir()
+    assert open_checkpoint(sharded(tmp_path / "ok", total=28)).total_size_problem is None
 
 
 def test_absent_language_shard_reported_by_bind_not_open(tmp_path: Path) -> None:
@@ -548,6 +554,63 @@ def test_trunk_dtype_other_than_the_configs_is_refused(tmp_path: Path,
         found = "BF16" if name == conv else "F16"
         assert (f"{name} in model-00003-of-000014.safetensors: dtype {found}, expected F32 "
                 f"(spec 3.3: conv weights, dt_bias and A_log are stored in F32)") in str(err)
+
+
+def _set_total_size(model: Path, delta: int) -> tuple[int, int]:
+    """Make the index's metadata.total_size wrong by `delta`; return (written, actual)."""
+    index = json.loads((model / INDEX_NAME).read_text())
+    shards = set(index["weight_map"].values())
+    actual = sum(t.nbytes for shard in shards if (model / shard).exists()
+                 for t in read_header(model / shard).values())
+    index["metadata"] = {"total_size": actual + delta}
+    (model / INDEX_NAME).write_text(json.dumps(index))
+    return actual + delta, actual
+
+
+def test_wrong_total_size_warns_once_when_every_tensor_fits(
+        tmp_path: Path, tiny: ModelConfig, caplog: pytest.LogCaptureFixture) -> None:
+    from k3engine.planner import tensor_sizes_from_dir
+    tiny_checkpoint(tmp_path, tiny)
+    (tmp_path / f"model-{tiny.n_layers + 2:05d}-of-000014.safetensors").write_bytes(
+        st_bytes({"vision_tower.x": entry("U8", [3], 0, 3)}, b"abc"))  # all shards present
+    written, actual = _set_total_size(tmp_path, 1000)
+    with caplog.at_level("WARNING", logger="k3engine.safetensors_io"):
+        tensor_sizes_from_dir(tmp_path, tiny)  # the planner runs first, then the model opens
+        bind(tiny, open_checkpoint(tmp_path))
+        bind(tiny, open_checkpoint(tmp_path))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert f"metadata.total_size is {written} but the shards hold {actual} tensor bytes" \
+        in warned[0] and "the checkpoint is used" in warned[0]
+
+
+def test_wrong_total_size_is_named_when_bind_refuses(tmp_path: Path, tiny: ModelConfig) -> None:
+    gone = "language_model.model.layers.6.self_attn.b_proj.weight"
+    tiny_checkpoint(tmp_path, tiny, drop=(gone,))
+    (tmp_path / f"model-{tiny.n_layers + 2:05d}-of-000014.safetensors").write_bytes(
+        st_bytes({"vision_tower.x": entry("U8", [3], 0, 3)}, b"abc"))
+    written, actual = _set_total_size(tmp_path, -5)
+    with pytest.raises(TensorSetError) as info:
+        bind(tiny, open_checkpoint(tmp_path))
+    assert gone in info.value.missing
+    assert (f"also: {tmp_path / INDEX_NAME}: metadata.total_size is {written} but the shards "
+            f"hold {actual} tensor bytes") in str(info.value)
+
+
+def test_run_goes_on_with_one_warning_when_total_size_is_wrong(tmp_path: Path,
+                                                               tiny_dir: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+    model = tmp_path / "wrong-total"
+    shutil.copytree(tiny_dir, model)
+    written, actual = _set_total_size(model, 4096)
+    done = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", str(model), "--ids", "1,2",
+                           "--gen", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("generated: ") and done.stdout.split()[1].count(",") == 2
+    assert done.stderr.count("metadata.total_size") == 1, done.stderr
+    assert f"total_size is {written} but the shards hold {actual} tensor bytes" in done.stderr
 
 
 def test_run_refuses_the_audits_one_byte_bf16_to_f16_edit(tmp_path: Path,
