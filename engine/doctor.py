@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import sizes as sz
+from .private_files import write_private
 
 __all__ = ["main_doctor", "cpu_info", "probe_disk", "ProbeResult", "PhaseResult"]
 
@@ -475,7 +476,7 @@ def main_doctor(argv: Sequence[str]) -> int:
     status = EXIT_RUNTIME if report["probe"].get("error") else EXIT_OK
     _print_report(report)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        write_private(args.json_out, json.dumps(report, indent=2) + "\n")  # 0600 like run --json
     return status
 
 

@@ -81,6 +81,7 @@ from .catalog import (TensorSpec, expected_tensors, expert_names, layer_prefix, 
                       trunk_specs)
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
+from .private_files import write_private
 from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NAME,
                              JSONStrictError, open_checkpoint, strict_json_loads,
                              warn_total_size_once)
@@ -1056,7 +1057,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    write_private(path, json.dumps(payload, indent=2) + "\n")  # 0600 like run --json
 
 
 def main_plan(argv: Sequence[str]) -> int:

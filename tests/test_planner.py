@@ -602,6 +602,26 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "embed_stream": True}
 
 
+def test_plan_json_is_written_0600_like_run_json(tiny: Path, tmp_path: Path, capsys,
+                                                fake_machine) -> None:
+    import os
+    import stat
+    out = tmp_path / "plan.json"
+    out.write_text("an older, looser report")
+    os.chmod(out, 0o644)
+    old = os.umask(0o022)
+    try:
+        assert pl.main_plan([str(tiny), "--memory", "64M", "--json", str(out)]) == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o600 and json.loads(out.read_text())["ok"]
+        refused = tmp_path / "refused.json"
+        assert pl.main_plan([str(tiny), "--memory", "1M", "--json", str(refused)]) == 2
+        assert stat.S_IMODE(refused.stat().st_mode) == 0o600
+        assert json.loads(refused.read_text())["ok"] is False
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "refused.json"]
+
+
 def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_machine) -> None:
     assert pl.main_plan([str(tiny), "--memory", "1M"]) == 2
     err = capsys.readouterr().err
