@@ -339,7 +339,8 @@ def _model_report(directory: Path, budget: int) -> dict[str, Any] | None:
     try:
         cfg = load_config(directory)
         plan = make_plan(cfg, tensor_sizes_from_dir(directory, cfg), budget,
-                         check_machine=False)  # `auto` is below the machine limit already
+                         check_machine=False,  # `auto` is below the machine limit already
+                         process_bytes=sz.process_reserve())
     except PlanError as exc:
         return {"dir": str(directory), "refused": str(exc), "minimum_budget": exc.minimum}
     except CheckpointError as exc:
