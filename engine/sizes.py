@@ -31,7 +31,7 @@ __all__ = [
     "MemorySizeError", "MachineMemory", "CgroupMemory",
     "parse_memory", "parse_size", "is_auto", "auto_budget", "format_bytes", "gib",
     "read_meminfo", "read_cgroup_memory", "read_machine_memory",
-    "PROCESS_GROWTH", "resident_bytes", "process_reserve",
+    "PROCESS_GROWTH", "resident_bytes", "peak_resident_bytes", "process_reserve",
 ]
 
 KiB = 1 << 10
@@ -339,16 +339,35 @@ def _sysconf_total() -> int:
 PROCESS_GROWTH = 32 * MiB
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (VmRSS), or its peak where /proc is missing."""
+def _status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status in bytes, or None where it cannot be read."""
     try:
         with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS), or its peak where /proc is missing."""
+    now = _status_bytes("VmRSS:")
+    return now if now is not None else _maxrss_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory (VmHWM).
+
+    Not getrusage's ru_maxrss: Linux keeps that across execve, so a `k3chat` started by a
+    large process (a test runner, an IDE) would report its parent's size as its own peak."""
+    peak = _status_bytes("VmHWM:")
+    return peak if peak is not None else _maxrss_bytes()
 
 
 def process_reserve() -> int:

@@ -106,3 +106,18 @@ def test_app_peak_rss_stays_under_the_budget(big_experts: Path, tmp_path: Path) 
     assert res["hwm"] <= budget, (res["hwm"], budget)
     assert plan["total"] <= budget and plan["process_bytes"] > 0
     assert stats["expert_slots"] == plan["expert_slots"] and stats["cache_evictions"] > 0
+
+
+def test_peak_rss_stat_is_the_processs_own_not_its_parents(tiny_dir: Path) -> None:
+    # getrusage's ru_maxrss survives execve on Linux: a run started by a large process (this
+    # test runner) reported the parent's size as its own peak. VmHWM starts afresh at exec.
+    ballast = b"\x01" * (300 * sz.MiB)  # written, so resident in this (parent) process
+    code = ("import json, sys; from k3engine.model import Model; "
+            "m = Model(sys.argv[1]); m.forward([1, 2, 3]); "
+            "print(json.dumps(m.stats()['peak_rss_bytes']))")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(ballast) == 300 * sz.MiB
+    peak = int(done.stdout)
+    assert 0 < peak < 200 * sz.MiB, peak  # a tiny model in a fresh interpreter: ~40 MiB
