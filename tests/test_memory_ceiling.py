@@ -4,7 +4,7 @@ A user with a cgroup limit relies on it: the process's peak resident memory must
 `--memory`, interpreter, libraries, tokenizer and the app's widgets included. The checkpoint
 here has enough expert bytes (384 experts of 417,792 B, 160 MB) that the plan fills the
 budget and the engine's expert cache really grows to the size planned (evictions prove it).
-Peaks are read in the process that ran: the engine's peak_rss stat (getrusage) for
+Peaks are read in the process that ran: the engine's peak_rss stat (VmHWM) for
 `k3chat run`, /proc/self/status VmHWM for the app. (The server does not exist yet.)
 """
 from __future__ import annotations
