@@ -35,7 +35,8 @@ initialisers), and MXFP4 experts with random nibbles and E8M0 scale bytes in 118
 asserted absent, so no group decodes to all zeros. Everything is stream-written (a few MB
 resident at a time) with progress on a callback.
 
-The checkpoint lives in `platformdirs.user_cache_dir("k3chat")/bench-v1` or `--dir`. A marker
+The checkpoint lives in `platformdirs.user_cache_dir("k3chat")/bench-v1` (with K3CHAT_HOME
+set: `$K3CHAT_HOME/cache/bench-v1`) or `--dir`, in 0700 directories, files 0600. A marker
 file (`BENCH_COMPLETE.json`, listing every file and its size) is written last; a directory
 without a valid marker is a half-built checkpoint and is rebuilt, never used. Free disk is
 checked before anything is written, and a short disk is refused with the numbers.
@@ -73,6 +74,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+
+from .private_files import make_private_dirs, open_private, write_private
 
 __all__ = [
     "BenchShape", "REAL_SHAPE", "TINY_SHAPE", "BenchError", "BENCH_VERSION", "MARKER_NAME",
@@ -210,9 +213,13 @@ TINY_SHAPE = BenchShape(
 
 
 def default_bench_dir() -> Path:
+    """`$K3CHAT_HOME/cache/bench-vN` when K3CHAT_HOME is set (as k3chat.paths does for data,
+    config and state), else the platform cache directory."""
     import platformdirs
 
-    return Path(platformdirs.user_cache_dir("k3chat")) / f"bench-v{BENCH_VERSION}"
+    home = os.environ.get("K3CHAT_HOME")
+    base = Path(home).expanduser() / "cache" if home else Path(platformdirs.user_cache_dir("k3chat"))
+    return base / f"bench-v{BENCH_VERSION}"
 
 
 # ------------------------------------------------------------------------ tensor plan
@@ -410,7 +417,7 @@ def _write_shard(path: Path, plan: ShardPlan, rng: np.random.Generator,
                  on_bytes: Callable[[int], None]) -> None:
     """Stream one shard to `path.tmp`, fsync, drop it from the page cache, rename."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb", buffering=8 << 20) as f:
+    with open_private(tmp, buffering=8 << 20) as f:
         head = len(plan.header).to_bytes(8, "little") + plan.header
         f.write(head)
         on_bytes(len(head))
@@ -444,8 +451,8 @@ def free_disk_bytes(path: Path) -> int:
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    with open_private(tmp) as f:
+        f.write((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -562,7 +569,8 @@ def build_bench_checkpoint(
             f"not enough free disk in {d}: the benchmark checkpoint needs {_gb(total)} "
             f"({total:,} B) plus a {_gb(FREE_MARGIN)} margin, only {_gb(free)} ({free:,} B) free; "
             "free some space or pass --dir on another disk")
-    d.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(d)
+    os.chmod(d, 0o700)  # ours (cleared above): private even if an older version made it 0755
     manifest = {
         "bench_version": BENCH_VERSION,
         "state": "building",
@@ -588,7 +596,7 @@ def build_bench_checkpoint(
         raise BenchError("the fixture tokenizer's vocabulary is not the one planned")
     small = sum((d / n).stat().st_size for n in ("tiktoken.model", "tokenizer_config.json"))
     ids = read_special_ids(d)
-    (d / "config.json").write_text(json.dumps(build_config(shape.preset(), vocab, ids), indent=2) + "\n")
+    write_private(d / "config.json", json.dumps(build_config(shape.preset(), vocab, ids), indent=2) + "\n")
 
     done = [small]
     last = [0.0]
@@ -1093,8 +1101,8 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
                         streamed=not args.no_stream, probe_bytes=args.probe_mb << 20,
                         probe_seconds=args.probe_seconds, log=log)
         print(format_report(res))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2) + "\n")
+        make_private_dirs(out.parent)
+        write_private(out, json.dumps(res, indent=2) + "\n")
         print(f"JSON written to {out}")
     except KeyboardInterrupt:
         print("\nk3chat bench: interrupted (a half-built checkpoint is rebuilt next time)", file=sys.stderr)

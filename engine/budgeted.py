@@ -21,6 +21,7 @@ __all__ = ["OpenedModel", "open_budgeted", "check_lookahead", "LookaheadError", 
 ALL_RESIDENT = "all"
 
 
+
 @dataclass
 class OpenedModel:
     model: Model
@@ -63,9 +64,14 @@ def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
     budget = sz.parse_memory(memory)
     ts = tensor_sizes_from_dir(model_dir, cfg)
     machine = check_machine and not sz.is_auto(memory)
+    # The budget is for the whole process (a cgroup limit counts all of it): the engine gets
+    # what the process, measured as it stands, leaves.
+    process = sz.process_reserve()
     if lookahead is None:
-        plan = make_plan_default_lookahead(cfg, ts, budget, context, check_machine=machine)
+        plan = make_plan_default_lookahead(cfg, ts, budget, context, check_machine=machine,
+                                           process_bytes=process)
     else:
-        plan = make_plan(cfg, ts, budget, context, check_machine=machine, lookahead=int(lookahead))
+        plan = make_plan(cfg, ts, budget, context, check_machine=machine, lookahead=int(lookahead),
+                         process_bytes=process)
     opts = plan.stream_options()
     return OpenedModel(Model(model_dir, threads=threads, scalar=scalar, streaming=opts), plan, opts)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
 
-from .config import MXFP4_GROUP, ModelConfig
+from .config import MXFP4_GROUP, TRUNK_DTYPES, ModelConfig
 from .errors import TensorSetError
-from .safetensors_io import LANGUAGE_PREFIX, Checkpoint, TensorInfo
+from .safetensors_io import LANGUAGE_PREFIX, Checkpoint, TensorInfo, warn_total_size_once
 
 __all__ = [
     "TensorSpec", "Run", "RunPlan", "EXPERT_PARTS", "EXPERT_MARK",
@@ -29,8 +29,10 @@ __all__ = [
 Kind = Literal["trunk", "expert", "model"]
 Class = Literal["trunk", "expert", "model", "vision"]
 
-FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})  # widened exactly to fp32 at load
 EXPERT_DTYPES = frozenset({"U8"})  # MXFP4 packed nibbles and E8M0 scales
+# Spec 3.3's f32 column: the release stores these in F32 whatever config.json's dtype says.
+F32_SUFFIXES = ("_conv1d.weight", ".dt_bias", ".A_log")
+_UNSET: frozenset[str] = frozenset()  # a trunk spec's dtypes before trunk_specs decides them
 
 MODEL_PREFIX = "language_model.model."
 LAYERS_PREFIX = "language_model.model.layers."
@@ -49,11 +51,13 @@ class TensorSpec:
     kind: Kind
     dtypes: frozenset[str]
     min_len: bool = False  # 1-D and may be LONGER than shape[0] (A_log ships zero-padded)
+    why: str = ""  # where the dtype contract comes from, for the refusal
 
     def problem(self, info: TensorInfo) -> str | None:
         """Why `info` does not satisfy this spec, or None."""
         if info.dtype not in self.dtypes:
-            return f"dtype {info.dtype}, expected {' or '.join(sorted(self.dtypes))}"
+            why = f" ({self.why})" if self.why else ""
+            return f"dtype {info.dtype}, expected {' or '.join(sorted(self.dtypes))}{why}"
         if self.min_len:
             if len(info.shape) != 1 or info.shape[0] < self.shape[0]:
                 return f"shape {list(info.shape)}, expected [n] with n >= {self.shape[0]}"
@@ -63,7 +67,23 @@ class TensorSpec:
 
 
 def _trunk(*shape: int) -> TensorSpec:
-    return TensorSpec(tuple(shape), "trunk", FLOAT_DTYPES)
+    return TensorSpec(tuple(shape), "trunk", _UNSET)
+
+
+def _config_dtype_reason(cfg: ModelConfig) -> str:
+    torch_name = next((k for k, v in TRUNK_DTYPES.items() if v == cfg.trunk_dtype),
+                      cfg.trunk_dtype)
+    return f"config.json text_config.dtype is {torch_name}"
+
+
+def _with_dtype(cfg: ModelConfig, local: str, spec: TensorSpec) -> TensorSpec:
+    """The one dtype a non-expert tensor may have: F32 for spec 3.3's f32 tensors, else the
+    config's. Reading another (say F16 where the config says bfloat16, a one-byte header
+    edit) would silently change the weights, so it is refused."""
+    if local.endswith(F32_SUFFIXES):
+        return replace(spec, dtypes=frozenset({"F32"}),
+                       why="spec 3.3: conv weights, dt_bias and A_log are stored in F32")
+    return replace(spec, dtypes=frozenset({cfg.trunk_dtype}), why=_config_dtype_reason(cfg))
 
 
 def layer_prefix(layer: int) -> str:
@@ -96,7 +116,7 @@ def _kda(cfg: ModelConfig) -> dict[str, TensorSpec]:
         "self_attn.f_a_proj.weight": _trunk(d, e),  # one shared rank-D decay pair
         "self_attn.f_b_proj.weight": _trunk(p, d),
         "self_attn.b_proj.weight": _trunk(cfg.kda_heads, e),
-        "self_attn.A_log": TensorSpec((cfg.kda_heads,), "trunk", FLOAT_DTYPES, min_len=True),
+        "self_attn.A_log": TensorSpec((cfg.kda_heads,), "trunk", _UNSET, min_len=True),
         "self_attn.dt_bias": _trunk(p),  # per head AND channel
         "self_attn.o_norm.weight": _trunk(d),  # shared by all heads
     }
@@ -147,7 +167,7 @@ def trunk_specs(cfg: ModelConfig, layer: int) -> dict[str, TensorSpec]:
     local |= _mla(cfg) if cfg.is_mla(layer) else _kda(cfg)
     local |= _moe(cfg) if cfg.is_moe(layer) else _dense(cfg)
     prefix = layer_prefix(layer)
-    return {prefix + k: v for k, v in local.items()}
+    return {prefix + k: _with_dtype(cfg, k, v) for k, v in local.items()}
 
 
 def expert_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
@@ -155,7 +175,8 @@ def expert_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
     lat, i = cfg.latent_dim, cfg.expert_width
 
     def u8(rows: int, cols: int) -> TensorSpec:
-        return TensorSpec((rows, cols), "expert", EXPERT_DTYPES)
+        return TensorSpec((rows, cols), "expert", EXPERT_DTYPES,
+                          why="MXFP4 blocks and E8M0 scales are stored as bytes")
 
     w13 = (u8(i, lat // 2), u8(i, lat // MXFP4_GROUP))  # [I_e, l]: l -> I_e
     w2 = (u8(lat, i // 2), u8(lat, i // MXFP4_GROUP))  # [l, I_e]: I_e -> l
@@ -172,7 +193,8 @@ def model_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     e, v = cfg.hidden, cfg.vocab
 
     def spec(*shape: int) -> TensorSpec:
-        return TensorSpec(tuple(shape), "model", FLOAT_DTYPES)
+        return TensorSpec(tuple(shape), "model", frozenset({cfg.trunk_dtype}),
+                          why=_config_dtype_reason(cfg))
 
     return {
         f"{MODEL_PREFIX}embed_tokens.weight": spec(v, e),
@@ -292,12 +314,15 @@ def bind(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     extra.sort()
     misshapen = _check_found(expected, found)
     if not (missing or extra or misshapen):
+        warn_total_size_once(ckpt)
         return
     lines = [f"{ckpt.dir}: the checkpoint does not match its config.json "
              f"({len(missing)} missing, {len(extra)} unexpected, {len(misshapen)} misshapen):"]
     lines += _listing("missing", _missing_lines(missing, ckpt))
     lines += _listing("unexpected (not used by this config)", extra)
     lines += _listing("misshapen or wrong dtype", misshapen)
+    if ckpt.total_size_problem:
+        lines.append(f"  also: {ckpt.total_size_problem}")
     lines.append("The shards and config.json must come from the same release: re-download the "
                  "shards named above, or the config if the shards are right.")
     raise TensorSetError("\n".join(lines), missing, extra, misshapen)

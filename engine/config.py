@@ -25,6 +25,8 @@ CONFIG_NAME = "config.json"
 MXFP4_GROUP = 32  # OCP MX block size: one E8M0 scale per 32 elements along the input dim
 
 _MISSING = object()
+# config.json `dtype` (torch's names) -> the safetensors dtype the non-expert weights must have.
+TRUNK_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class ModelConfig:
     situ_beta1: float
     situ_beta2: float
     attn_res_block: int
+    trunk_dtype: str  # safetensors dtype of the non-expert weights ("BF16" for the release)
     mla_layers: tuple[int, ...]  # zero-based, strictly increasing
     bos_token_id: int
     eos_token_id: int
@@ -471,6 +474,7 @@ def _read_text(r: _Reader, tc: dict[str, Any]) -> dict[str, Any]:
         "situ_beta1": r.float_(tc, "activation_situ_beta", w),
         "situ_beta2": r.float_(tc, "activation_situ_linear_beta", w),
         "attn_res_block": r.int_(tc, "attn_res_block_size", w),
+        "trunk_dtype": _read_trunk_dtype(r, tc),
     }
     r.expect(tc, "mla_use_nope", w, True)
     r.expect(tc, "mla_use_output_gate", w, True)
@@ -485,6 +489,23 @@ def _read_text(r: _Reader, tc: dict[str, Any]) -> dict[str, Any]:
     if "model_type" in tc:
         r.expect(tc, "model_type", w, "kimi_linear")
     return f
+
+
+def _read_trunk_dtype(r: _Reader, tc: dict[str, Any]) -> str | None:
+    """The non-expert weights' dtype: `text_config.dtype` (older files: `torch_dtype`).
+
+    It decides which safetensors dtype a trunk tensor may have, so a one-byte header edit
+    (BF16 -> F16) cannot silently change how the weights are read."""
+    w = "text_config."
+    key = "dtype" if "dtype" in tc or "torch_dtype" not in tc else "torch_dtype"
+    value = r.str_(tc, key, w)
+    if value is None:
+        return None
+    if value not in TRUNK_DTYPES:
+        r.problem(f"{w}{key}: must be one of {', '.join(TRUNK_DTYPES)} (the dtype of the "
+                  f"non-expert weights; the release says bfloat16), got {_show(value)}")
+        return None
+    return TRUNK_DTYPES[value]
 
 
 def _read_linear_attn(r: _Reader, la: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import sizes as sz
+from .private_files import write_private
 
 __all__ = ["main_doctor", "cpu_info", "probe_disk", "ProbeResult", "PhaseResult"]
 
@@ -335,7 +336,8 @@ def _model_report(directory: Path, budget: int) -> dict[str, Any] | None:
     try:
         cfg = load_config(directory)
         plan = make_plan(cfg, tensor_sizes_from_dir(directory, cfg), budget,
-                         check_machine=False)  # `auto` is below the machine limit already
+                         check_machine=False,  # `auto` is below the machine limit already
+                         process_bytes=sz.process_reserve())
     except PlanError as exc:
         return {"dir": str(directory), "refused": str(exc), "minimum_budget": exc.minimum}
     except CheckpointError as exc:
@@ -472,7 +474,7 @@ def main_doctor(argv: Sequence[str]) -> int:
     status = EXIT_RUNTIME if report["probe"].get("error") else EXIT_OK
     _print_report(report)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        write_private(args.json_out, json.dumps(report, indent=2) + "\n")  # 0600 like run --json
     return status
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from k3engine.private_files import make_private_dirs, write_private
 from k3engine.writer import (
     EXPERT_PARTS,
     Tensor,
@@ -795,7 +796,7 @@ def write_oracle_files(out: Path, run: OracleRun, p: Preset, seed: int) -> None:
         "full_ids": run.full_ids.astype(np.int64),
         "logits": run.logits.astype(np.float32),
     }
-    (out / "oracle.npz").write_bytes(_npz_bytes(arrays))
+    write_private(out / "oracle.npz", _npz_bytes(arrays))
     meta = {
         "preset": p.name,
         "weight_seed": seed,
@@ -819,7 +820,7 @@ def write_oracle_files(out: Path, run: OracleRun, p: Preset, seed: int) -> None:
             "finite": not bool(run.stats["nan_or_inf"]),
         },
     }
-    (out / "oracle.json").write_text(json.dumps(_jsonable(meta), indent=2, sort_keys=True) + "\n")
+    write_private(out / "oracle.json", json.dumps(_jsonable(meta), indent=2, sort_keys=True) + "\n")
 
 
 # -------------------------------------------------------------------------- entry
@@ -846,13 +847,12 @@ def write_fixture(
         raise FileExistsError(f"{out} exists and is not an empty directory; refusing to overwrite")
     # Build in a hidden sibling and rename at the end: a refused or interrupted run
     # never leaves a checkpoint without its oracle data under the real name.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    make_private_dirs(out.parent)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # 0700, kept so
     try:
         _build(PRESETS[preset], work, scrambled=scrambled, single_file=single_file, with_oracle=with_oracle, seed=seed)
         if out.exists():
             out.rmdir()
-        work.chmod(0o755)  # mkdtemp makes 0700; a model directory is ordinary
         work.rename(out)
     finally:
         if work.exists():
@@ -867,7 +867,7 @@ def _build(p: Preset, out: Path, *, scrambled: bool, single_file: bool, with_ora
     vocab = int(write_fixture_tokenizer(out))
     ids = read_special_ids(out)
     n_ranks = vocab - 256
-    (out / "config.json").write_text(json.dumps(build_config(p, vocab, ids), indent=2) + "\n")
+    write_private(out / "config.json", json.dumps(build_config(p, vocab, ids), indent=2) + "\n")
 
     mt = generate_tensors(p, vocab, seed)
     shards = plan_shards(mt, seed, scrambled)
@@ -889,7 +889,7 @@ def _build(p: Preset, out: Path, *, scrambled: bool, single_file: bool, with_ora
         "expert_bytes": 3 * p.moe_intermediate_size * p.routed_expert_hidden_size * 17 // 32,
         "oracle": with_oracle,
     }
-    (out / "fixture.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_private(out / "fixture.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
     if with_oracle:
         write_oracle_files(out, run_oracle(out, p, n_ranks), p, seed)

@@ -10,7 +10,6 @@ per handle keeps calls on a handle serial.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import weakref
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .catalog import bind
+from .sizes import peak_resident_bytes
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
 from .safetensors_io import Checkpoint, open_checkpoint
@@ -233,7 +233,7 @@ class Model:
         with self._life:  # not the call lock: a status bar reads these while a token computes
             lib.k3_model_stats(self._handle(), st)
         out = {f: int(getattr(st, f)) for f, _ in ffi.typeof("k3_stats").fields}
-        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_rss_bytes"] = peak_resident_bytes()
         return out
 
     def _call(self, fn: str, *args: Any) -> None:

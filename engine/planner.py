@@ -62,7 +62,9 @@ embedding table joins it from 107.92 GiB (the peak while lm_head is read and cop
 binds).
 
 (`python -m k3engine.planner DIR --memory large --no-machine-check` prints any of these in
-full on any machine.)
+full on any machine, plus the process row: the figures above are the engine's alone, and
+`k3chat plan`, `run` and the app first set aside what the process itself needs, measured
+(sizes.process_reserve: its resident memory, ~40-60 MiB, + 32 MiB for growth).)
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ from .catalog import (TensorSpec, expected_tensors, expert_names, layer_prefix, 
                       trunk_specs)
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
+from .private_files import write_private
 from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NAME,
-                             JSONStrictError, open_checkpoint, strict_json_loads)
+                             JSONStrictError, open_checkpoint, strict_json_loads,
+                             warn_total_size_once)
 
 __all__ = [
     "Plan", "PlanError", "TensorSizes", "make_plan", "minimum_budget", "max_context",
@@ -107,8 +111,6 @@ MAX_COMPUTE_THREADS = 64  # the engine's thread cap; MLA score rows are per thre
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
-# Tensors the spec expects in F32 (spec 3.3); with them the real trunk is 108,811,694,848 B.
-_F32_SUFFIXES = ("_conv1d.weight", ".dt_bias", ".A_log")
 
 # The matrices of a layer, as the engine binds them (km_bind_layer in native/k3_load.c):
 # kept in their stored dtype and, when the layer streams, read through the ring in two
@@ -173,12 +175,7 @@ def _expected_nbytes(cfg: ModelConfig, name: str, spec: TensorSpec) -> tuple[int
         # A_log ships zero-padded to the KDA head width (128 for 96 heads in the release;
         # the fixture writer pads the same way), so its length is max(H_k, D).
         shape = (max(shape[0], cfg.kda_head_dim),)
-    if spec.kind == "expert":
-        dtype = "U8"
-    elif name.endswith(_F32_SUFFIXES):
-        dtype = "F32"
-    else:
-        dtype = "BF16"
+    (dtype,) = spec.dtypes  # the catalogue allows exactly one dtype per tensor
     numel = 1
     for dim in shape:
         numel *= dim
@@ -294,7 +291,7 @@ def sizes_from_names(cfg: ModelConfig, names: Iterable[str],
     expected = expected_tensors(cfg)
     names = set(names) | set(headers)
     problems = _name_problems(expected, names)
-    misshapen = [f"{n}: {p}" for n, info in headers.items()
+    misshapen = [f"{n} in {info.shard}: {p}" for n, info in headers.items()
                  if n in expected and (p := expected[n].problem(info))]
     if misshapen:
         problems.append(f"{len(misshapen)} tensor(s) misshapen or of the wrong dtype, e.g. "
@@ -342,7 +339,10 @@ def tensor_sizes_from_dir(model_dir: str | Path, cfg: ModelConfig | None = None)
     cfg = cfg if cfg is not None else load_config(model_dir)
     if (model_dir / INDEX_NAME).exists() or (model_dir / SINGLE_NAME).exists():
         ckpt = open_checkpoint(model_dir)
-        return sizes_from_names(cfg, ckpt.assigned, ckpt.tensors)
+        sizes = sizes_from_names(cfg, ckpt.assigned, ckpt.tensors)
+        if not ckpt.missing_shards:  # then every tensor was checked against its header
+            warn_total_size_once(ckpt)
+        return sizes
     gz = model_dir / GZ_INDEX_NAME
     if gz.exists():
         return sizes_from_names(cfg, _gz_index_names(gz))
@@ -437,13 +437,15 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-           embed_stream: bool) -> _Floor:
+           embed_stream: bool, process_bytes: int = 0) -> _Floor:
     """Everything resident whatever the trunk layout (given the embedding choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
-    (km_embed in native/k3_model.c)."""
+    (km_embed in native/k3_model.c). `process_bytes` is what the process needs beside the
+    engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process."""
     state = kda_state_bytes(cfg)
     return _Floor({
+        PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
         "lm_head": ts.lm_head,
         "output norms (fp32)": ts.model_vectors,
@@ -480,6 +482,7 @@ class PlanError(Exception):
 
 
 _UNIT_NAMES = ("attention", "FFN")
+PROCESS_PART = "process (beside the engine)"
 
 
 @dataclass(frozen=True)
@@ -529,6 +532,7 @@ class Plan:
     top_k: int
     moe_layers: int
     sizes_source: str
+    process_bytes: int = 0  # the process beside the engine: interpreter, libraries, UI
     open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
     machine_limit: int | None = None  # what the machine could hold, when it was checked
     # per layer, layer 0 first
@@ -539,7 +543,8 @@ class Plan:
 
     @property
     def floor_parts(self) -> dict[str, int]:
-        return {"embeddings": self.embed_bytes, "lm_head": self.lm_head_bytes,
+        return {PROCESS_PART: self.process_bytes,
+                "embeddings": self.embed_bytes, "lm_head": self.lm_head_bytes,
                 "output norms (fp32)": self.model_vector_bytes,
                 "layer vectors (fp32)": self.layer_vector_bytes,
                 "KDA state": self.kda_state_bytes, "turn snapshots": self.snapshot_bytes,
@@ -635,7 +640,10 @@ def _render_table(p: Plan) -> str:
     embed_note = (f"streamed: one row of {p.embed_row_bytes:,} B read per token "
                   f"(table of {p.embed_table_bytes:,} B not held)" if p.embed_stream
                   else "resident table")
-    notes = {"embeddings": embed_note,
+    notes = {PROCESS_PART: (f"this process's resident memory + {sz.format_bytes(sz.PROCESS_GROWTH)} "
+                            f"for its growth (interpreter, libraries, tokenizer, UI)"
+                            if p.process_bytes else "not counted"),
+             "embeddings": embed_note,
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
              "work buffers": f"estimate, prefill chunk of {p.prefill_chunk} tokens",
@@ -780,8 +788,9 @@ def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
     embedding table (when held) and lm_head, each read into a buffer and copied. The ring,
     the expert slots (made on first use), the session state and the work buffers do not
     exist yet."""
-    held = (floor.parts["layer vectors (fp32)"] + floor.parts["output norms (fp32)"]
-            + floor.parts["I/O staging"] + trunk.pinned_bytes + trunk.router_bytes)
+    held = (floor.parts[PROCESS_PART] + floor.parts["layer vectors (fp32)"]
+            + floor.parts["output norms (fp32)"] + floor.parts["I/O staging"]
+            + trunk.pinned_bytes + trunk.router_bytes)
     table = 0 if trunk.embed_stream else ts.embed
     return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
 
@@ -809,27 +818,28 @@ def _need(cfg: ModelConfig, ts: TensorSizes, floors: Mapping[bool, _Floor], trun
 
 
 def _smallest(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-              lookahead: int, ring_slots: int) -> tuple[int, _Trunk]:
+              lookahead: int, ring_slots: int, process_bytes: int = 0) -> tuple[int, _Trunk]:
     """The smallest budget any plan at `context` fits in, and its trunk layout."""
-    floors = {e: _floor(cfg, ts, context, snapshots, e) for e in (False, True)}
+    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
     return min(((_need(cfg, ts, floors, t, ring_slots), t)
                 for t in _trunk_options(_layout(ts, lookahead))), key=lambda x: x[0])
 
 
 def minimum_budget(cfg: ModelConfig, ts: TensorSizes, context: int,
                    snapshots: int = DEFAULT_SNAPSHOTS, *, lookahead: int = 0,
-                   ring_slots: int = RING_SLOTS) -> int:
+                   ring_slots: int = RING_SLOTS, process_bytes: int = 0) -> int:
     """The smallest budget any plan at `context` fits in."""
-    return _smallest(cfg, ts, context, snapshots, lookahead, ring_slots)[0]
+    return _smallest(cfg, ts, context, snapshots, lookahead, ring_slots, process_bytes)[0]
 
 
 def max_context(cfg: ModelConfig, ts: TensorSizes, budget: int,
                 snapshots: int = DEFAULT_SNAPSHOTS, limit: int = 1 << 31, *,
-                lookahead: int = 0, ring_slots: int = RING_SLOTS) -> int | None:
+                lookahead: int = 0, ring_slots: int = RING_SLOTS,
+                process_bytes: int = 0) -> int | None:
     """The largest context a plan fits at `budget`, or None if not even one token does."""
     def need(context: int) -> int:
         return minimum_budget(cfg, ts, context, snapshots, lookahead=lookahead,
-                              ring_slots=ring_slots)
+                              ring_slots=ring_slots, process_bytes=process_bytes)
 
     if need(1) > budget:
         return None
@@ -866,11 +876,12 @@ def _trunk_text(lay: _Layout, trunk: _Trunk, ring_slots: int) -> str:
 
 
 def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snapshots: int,
-             lookahead: int, ring_slots: int) -> PlanError:
-    need, smallest = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots)
-    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream)
+             lookahead: int, ring_slots: int, process_bytes: int = 0) -> PlanError:
+    need, smallest = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots, process_bytes)
+    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream, process_bytes)
     k, slot = _min_expert_slots(cfg, ts), slot_bytes(ts.expert_bytes)
-    fits = max_context(cfg, ts, budget, snapshots, lookahead=lookahead, ring_slots=ring_slots)
+    fits = max_context(cfg, ts, budget, snapshots, lookahead=lookahead, ring_slots=ring_slots,
+                       process_bytes=process_bytes)
     parts = ", ".join(f"{name} {sz.format_bytes(v)}" for name, v in floor.parts.items())
     if smallest.embed_stream:
         parts += (f"; embedding rows read per token, {embed_row_bytes(cfg, ts):,} B each, "
@@ -879,11 +890,13 @@ def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snaps
     if fits is not None:
         advice += f", or a context of at most {fits:,} tokens at this budget"
     else:
-        one = minimum_budget(cfg, ts, 1, snapshots, lookahead=lookahead, ring_slots=ring_slots)
+        one = minimum_budget(cfg, ts, 1, snapshots, lookahead=lookahead, ring_slots=ring_slots,
+                             process_bytes=process_bytes)
         advice += (f" (a smaller context does not help: even one token needs "
                    f"{sz.format_bytes(one)})")
     if lookahead > 0:
-        without = minimum_budget(cfg, ts, context, snapshots, ring_slots=ring_slots)
+        without = minimum_budget(cfg, ts, context, snapshots, ring_slots=ring_slots,
+                                 process_bytes=process_bytes)
         advice += (f", or turn router lookahead off (lookahead 0 needs "
                    f"{sz.format_bytes(without)} ({without:,} B))")
     lines = [
@@ -924,13 +937,15 @@ def _check_machine(budget: int, context: int) -> int:
 def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
               budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
               check_machine: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
-              lookahead: int = 0, ring_slots: int = RING_SLOTS) -> Plan:
+              lookahead: int = 0, ring_slots: int = RING_SLOTS, process_bytes: int = 0) -> Plan:
     """Split `budget_bytes` for `context` tokens; raise PlanError (with numbers) if it cannot.
 
     `tensor_sizes` is a TensorSizes or a name -> bytes table of the checkpoint. `lookahead`
     is the engine's router lookahead (experts per token prefetched for the next layer): when
     positive, every streamed MoE layer's router stays resident. `ring_slots` (>= 2) is the
-    engine's ring size when the trunk streams.
+    engine's ring size when the trunk streams. `process_bytes` is what the process needs
+    beside the engine (see budgeted.process_reserve): the budget is a ceiling for the whole
+    process, so the engine is given the rest.
     """
     ts = (tensor_sizes if isinstance(tensor_sizes, TensorSizes)
           else sizes_from_table(cfg, tensor_sizes))
@@ -943,9 +958,12 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     if lookahead < 0:
         raise PlanError(f"lookahead must be 0 (off) or more experts, got {lookahead}",
                         budget=budget_bytes, context=context)
+    if process_bytes < 0:
+        raise PlanError(f"process_bytes must be >= 0, got {process_bytes}",
+                        budget=budget_bytes, context=context)
     _check_ring_slots(ring_slots, budget_bytes, context)
     machine_limit = _check_machine(budget_bytes, context) if check_machine else None
-    floors = {e: _floor(cfg, ts, context, snapshots, e) for e in (False, True)}
+    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
     slot = slot_bytes(ts.expert_bytes)
     k = _min_expert_slots(cfg, ts)
     lay = _layout(ts, lookahead)
@@ -953,7 +971,8 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     trunk = next((t for t in _trunk_options(lay)
                   if _need(cfg, ts, floors, t, ring_slots) <= budget_bytes), None)
     if trunk is None:
-        raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots)
+        raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
+                       process_bytes)
     floor = floors[trunk.embed_stream]
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
@@ -983,7 +1002,8 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         expert_bytes=ts.expert_bytes, expert_slot_bytes=slot, expert_slots=slots,
         expert_cache_bytes=slots * slot, min_expert_slots=k,
         experts_total=ts.n_experts_total, top_k=cfg.top_k, moe_layers=len(cfg.moe_layers),
-        sizes_source=ts.source, machine_limit=machine_limit, layer_bytes=ts.layer_trunk,
+        sizes_source=ts.source, process_bytes=process_bytes, machine_limit=machine_limit,
+        layer_bytes=ts.layer_trunk,
         open_peak_bytes=_open_peak(ts, floor, trunk),
         layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.units,
     )
@@ -991,20 +1011,20 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
 
 def make_plan_default_lookahead(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                                 budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
-                                check_machine: bool = True) -> Plan:
+                                check_machine: bool = True, process_bytes: int = 0) -> Plan:
     """The plan with k3chat's default lookahead: the model's top-k when the trunk is
     resident, off when it streams. `k3chat bench` measured lookahead 1.44-1.50x faster with
     the trunk resident and no gain with it streamed (0.96-1.01x: the prefetches compete
     with the trunk reads), where its resident routers are better spent on pinned layers."""
     try:
         plan = make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                         lookahead=cfg.top_k)
+                         lookahead=cfg.top_k, process_bytes=process_bytes)
         if plan.trunk_resident:
             return plan
     except PlanError:
         pass
     return make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                     lookahead=0)
+                     lookahead=0, process_bytes=process_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1058,7 +1078,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    write_private(path, json.dumps(payload, indent=2) + "\n")  # 0600 like run --json
 
 
 def main_plan(argv: Sequence[str]) -> int:
@@ -1075,11 +1095,14 @@ def main_plan(argv: Sequence[str]) -> int:
         ts = tensor_sizes_from_dir(args.model_dir, cfg)
         # `auto` is derived from the machine, so checking it against the machine is moot.
         machine = check and not sz.is_auto(args.memory)
+        # This process stands in for the one that will run the model (which measures its own).
+        process = sz.process_reserve()
         if args.lookahead is None:
-            plan = make_plan_default_lookahead(cfg, ts, budget, args.context, check_machine=machine)
+            plan = make_plan_default_lookahead(cfg, ts, budget, args.context, check_machine=machine,
+                                               process_bytes=process)
         else:
             plan = make_plan(cfg, ts, budget, args.context, check_machine=machine,
-                             lookahead=args.lookahead)
+                             lookahead=args.lookahead, process_bytes=process)
     except (sz.MemorySizeError, CheckpointError, PlanError, OSError) as exc:
         print(f"k3chat plan: {exc}", file=sys.stderr)
         if isinstance(exc, PlanError) and exc.machine_limit is not None:

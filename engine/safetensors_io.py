@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
 import re
@@ -28,8 +29,10 @@ __all__ = [
     "DTYPE_SIZES", "INDEX_NAME", "SINGLE_NAME", "LANGUAGE_PREFIX",
     "TensorInfo", "ShardHeader", "Checkpoint",
     "read_header", "read_shard_header", "open_checkpoint", "read_tensor",
-    "strict_json_loads", "JSONStrictError",
+    "strict_json_loads", "JSONStrictError", "warn_total_size_once",
 ]
+
+log = logging.getLogger(__name__)
 
 DTYPE_SIZES: dict[str, int] = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
 INDEX_NAME = "model.safetensors.index.json"
@@ -416,6 +419,17 @@ class Checkpoint:
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # per-shard __metadata__
     file_sizes: dict[str, int] = field(default_factory=dict)  # per opened shard, as validated
     sharded: bool = True
+    shard_total: int | None = None  # tensor bytes of every listed shard, when all are present
+
+    @property
+    def total_size_problem(self) -> str | None:
+        """The index's metadata.total_size against the shards' bytes, when they differ."""
+        if self.total_size is None or self.shard_total is None:
+            return None
+        if self.total_size == self.shard_total:
+            return None
+        return (f"{self.dir / INDEX_NAME}: metadata.total_size is {self.total_size} but the "
+                f"shards hold {self.shard_total} tensor bytes")
 
     def path(self, shard: str) -> Path:
         if shard not in self.listed_shards:
@@ -535,12 +549,10 @@ def _open_sharded(model_dir: Path, index: Path) -> Checkpoint:
     _check_unique_across(headers)
     for shard, header in headers.items():
         _check_against_index(shard, header, by_shard[shard], index)
-    if total is not None and not missing:
-        actual = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
-        if actual != total:
-            raise CheckpointError(
-                f"{index}: metadata.total_size is {total} but the shards hold {actual} tensor "
-                f"bytes; the index and the shards do not belong together: re-download them")
+    # A wrong total is not refused here: published indexes sometimes carry one. Whoever has
+    # checked every tensor's shape and dtype reports it (warn_total_size_once).
+    actual = None if missing else sum(t.nbytes for h in headers.values()
+                                      for t in h.tensors.values())
     tensors: dict[str, TensorInfo] = {}
     for header in headers.values():
         tensors.update(_language(header.tensors))
@@ -555,6 +567,7 @@ def _open_sharded(model_dir: Path, index: Path) -> Checkpoint:
         metadata={s: h.metadata for s, h in headers.items()},
         file_sizes={s: h.file_size for s, h in headers.items()},
         sharded=True,
+        shard_total=actual,
     )
 
 
@@ -573,6 +586,24 @@ def _open_single(model_dir: Path, single: Path) -> Checkpoint:
         file_sizes={SINGLE_NAME: header.file_size},
         sharded=False,
     )
+
+
+_TOTALS_WARNED: set[tuple[str, int | None, int | None]] = set()
+
+
+def warn_total_size_once(ckpt: Checkpoint) -> None:
+    """Warn (once per process and checkpoint) that the index's total_size is wrong.
+
+    Call it only after every tensor was found with its shape and dtype: then the shards are
+    the ones the config describes and only the index's total is off, so the model is used.
+    """
+    problem = ckpt.total_size_problem
+    key = (str(ckpt.dir), ckpt.total_size, ckpt.shard_total)
+    if problem is None or key in _TOTALS_WARNED:
+        return
+    _TOTALS_WARNED.add(key)
+    log.warning("warning: %s; every tensor was found with its shape and dtype, so the "
+                "index's total is taken as wrong and the checkpoint is used", problem)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "MemorySizeError", "MachineMemory", "CgroupMemory",
     "parse_memory", "parse_size", "is_auto", "auto_budget", "format_bytes", "gib",
     "read_meminfo", "read_cgroup_memory", "read_machine_memory",
+    "PROCESS_GROWTH", "resident_bytes", "peak_resident_bytes", "process_reserve",
 ]
 
 KiB = 1 << 10
@@ -323,3 +325,53 @@ def _sysconf_total() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+# What a front-end process grows by after the model is opened, beside the engine's own
+# memory: the tokenizer, the turn's Python objects, the app's widgets and rendering.
+# Measured as VmHWM at exit minus VmRSS when open_budgeted was called, with --memory all,
+# so the engine's own weights are inside the numbers (Python 3.11, Textual 0.x, Linux):
+# `k3chat run --ids` on the tiny fixture 4.5 MiB, `run --prompt` 10.3 MiB (engine ~4 MiB of
+# it), `run --demo --prompt` 13.3 MiB (7.5 MiB of weights), the app answering three turns on
+# the demo model in a headless run_test 19.8 MiB. VmRSS at that call was 36-40 MiB for run
+# and 57 MiB for the app (its widgets are mounted by then). 32 MiB covers the largest growth
+# with a margin of more than half; the transcript of a very long chat grows beyond it.
+PROCESS_GROWTH = 32 * MiB
+
+
+def _status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS), or its peak where /proc is missing."""
+    now = _status_bytes("VmRSS:")
+    return now if now is not None else _maxrss_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory (VmHWM).
+
+    Not getrusage's ru_maxrss: Linux keeps that across execve, so a `k3chat` started by a
+    large process (a test runner, an IDE) would report its parent's size as its own peak."""
+    peak = _status_bytes("VmHWM:")
+    return peak if peak is not None else _maxrss_bytes()
+
+
+def process_reserve() -> int:
+    """What the process needs beside the engine, measured now: its resident memory (the
+    interpreter, numpy, cffi, the front-end's imports, the app's widgets when it runs)
+    plus PROCESS_GROWTH for what it allocates after the model is open."""
+    return resident_bytes() + PROCESS_GROWTH

@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 import regex  # a dependency of tiktoken; needed for the V1 class intersection `&&`
 
+from .private_files import make_private_dirs, write_private
+
 # K3's pre-tokenization pattern, verbatim from spec 3.3 (eight alternatives joined by `|`).
 K3_PAT_STR: str = "|".join(
     [
@@ -266,9 +268,8 @@ def write_fixture_tokenizer(out_dir: str | Path, *, n_ranks: int | None = None) 
 def write_tokenizer(out_dir: str | Path, ranks: dict[bytes, int]) -> int:
     """Write tiktoken.model and tokenizer_config.json for learned ranks; return N + 256."""
     n = len(ranks)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tiktoken.model").write_bytes(tiktoken_model_bytes(ranks))
+    out = make_private_dirs(out_dir)
+    write_private(out / "tiktoken.model", tiktoken_model_bytes(ranks))
     config_text = json.dumps(tokenizer_config(n), indent=2, ensure_ascii=False) + "\n"
-    (out / "tokenizer_config.json").write_bytes(config_text.encode("utf-8"))
+    write_private(out / "tokenizer_config.json", config_text.encode("utf-8"))
     return n + SPECIAL_BLOCK

@@ -27,6 +27,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .private_files import make_private_dirs, open_private, write_private
+
 DTYPE_SIZES: dict[str, int] = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -189,7 +191,7 @@ def write_safetensors(path: Path | str, tensors: Sequence[Tensor], metadata: Map
     path = Path(path)
     header = encode_header(tensors, metadata)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_private(tmp) as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         for t in tensors:
@@ -221,8 +223,7 @@ def write_sharded(
     `metadata.total_size` (the sum of tensor bytes, headers excluded) and a weight_map
     sorted by name. Routed expert tensors are checked first (`check_experts`).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_private_dirs(out_dir)
     _check_unique(shards)
     check_experts([t for shard in shards for t in shard])
     paths: list[Path] = []
@@ -236,14 +237,13 @@ def write_sharded(
             weight_map[t.name] = name
             total += t.nbytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_private(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return paths
 
 
 def write_single(out_dir: Path | str, tensors: Sequence[Tensor], metadata: Mapping[str, str] | None = None) -> Path:
     """Write every tensor into one `model.safetensors` (no index, as HF does for one file)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_private_dirs(out_dir)
     _check_unique([tensors])
     check_experts(tensors)
     write_safetensors(out / SINGLE_NAME, tensors, metadata)

@@ -4,7 +4,8 @@ Users keep privileged conversations here (clients, patients), so every directory
 0700 and every file 0600, whatever the umask, and every replacement of a file is atomic:
 a crash leaves either the old file or the new one, never a mix.
 
-``K3CHAT_HOME`` replaces the platform directories with ``$K3CHAT_HOME/{data,config,state}``;
+``K3CHAT_HOME`` replaces the platform directories with ``$K3CHAT_HOME/{data,config,state}``
+(and ``cache/`` for the benchmark checkpoint);
 tests use it so they never touch the real home. POSIX only (the store relies on fcntl).
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import platformdirs
+from k3engine.private_files import make_private_dirs
 
 APP_NAME = "k3chat"
 HOME_ENV = "K3CHAT_HOME"
@@ -78,8 +80,9 @@ def ensure_private_dir(path: Path) -> Path:
     """
     path = Path(path)
     if not path.exists():
-        # Parents get default modes: they may be shared directories such as ~/.local/share.
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # Missing parents are ours too (K3CHAT_HOME itself, or ~/.local/share on a fresh
+        # account): 0700 as the XDG rule asks. Existing ones are left as the user has them.
+        make_private_dirs(path.parent)
         try:
             os.mkdir(path, PRIVATE_DIR_MODE)
         except FileExistsError:

@@ -60,6 +60,7 @@ int k3_model_forward(k3_model *m, const int32_t *ids, int32_t n, float *logits_a
         km_set_err(m->err, sizeof m->err, "nothing to feed");
         return K3_ERR_INVALID;
     }
+    if (km_check_owner(m, m->err, sizeof m->err) != K3_OK) return K3_ERR_RUNTIME;
     int rc = ks_alloc(m, &st, n, shared_kda_slot != 0);
     if (rc == K3_OK) rc = km_forward(m, &st, ids, n, NULL, logits_all, NULL, m->err, sizeof m->err);
     else km_set_err(m->err, sizeof m->err, "out of memory for the state of %d positions", n);
@@ -118,6 +119,8 @@ int k3_session_feed(k3_session *s, const int32_t *ids, int32_t n, float *logits_
         km_set_err(s->err, sizeof s->err, "session state is unusable after a failed step; reset or restore a snapshot");
         return K3_ERR_RUNTIME;
     }
+    /* refused before the state is touched: the session stays usable in its own process */
+    if (km_check_owner(s->m, s->err, sizeof s->err) != K3_OK) return K3_ERR_RUNTIME;
     int32_t before = s->st.len;
     int rc = km_forward(s->m, &s->st, ids, n, logits_last, logits_all, cancel, s->err, sizeof s->err);
     /* a failure after the state was touched leaves it unusable; argument errors don't */

@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <sys/types.h>
 #include "k3.h"
 
 /* The spec fixes these norms' epsilon at 1e-5 whatever rms_norm_eps says: AttnRes keys,
@@ -169,8 +170,12 @@ struct k3_model {
     int fault_layer, fault_expert, fault_kind;
     int nthreads, force_scalar, simd_available;
     k3_stats stats;
+    pid_t owner_pid; /* the process that opened it: its reader threads live only there */
     char err[K3_ERRLEN];
 };
+
+/* K3_OK, or K3_ERR_RUNTIME with `err` set when `m` was inherited through fork(). */
+int km_check_owner(const k3_model *m, char *err, size_t errlen);
 
 /* Per-sequence recurrent state. */
 typedef struct ks_state {

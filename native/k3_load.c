@@ -493,6 +493,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     m->cfg = *cfg;
     if (opts) m->opts = *opts;
     m->nthreads = 1;
+    m->owner_pid = getpid();
     m->simd_available = kk_cpu_has_avx2();
     m->shards = (kt_shard *)calloc((size_t)n_shards, sizeof(kt_shard));
     m->layers = (km_layer *)calloc((size_t)cfg->n_layers, sizeof(km_layer));
@@ -605,6 +606,16 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     return K3_OK;
 }
 
+int km_check_owner(const k3_model *m, char *err, size_t errlen) {
+    if (m->owner_pid == getpid()) return K3_OK;
+    km_set_err(err, errlen, "this model was opened by process %ld and inherited through fork(); "
+               "its reader threads exist only there: open the model again in this process",
+               (long)m->owner_pid);
+    return K3_ERR_RUNTIME;
+}
+
 void k3_model_close(k3_model *m) {
-    if (m) km_free_all(m);
+    /* A forked child's copy: joining the parent's reader threads would wait forever and
+     * their buffers may be mid-read, so the copy is left for the process exit to drop. */
+    if (m && m->owner_pid == getpid()) km_free_all(m);
 }

@@ -84,7 +84,7 @@ def test_real_config_values(real: ModelConfig) -> None:
         top_k=16, n_shared_experts=2, latent_dim=3584, expert_width=3072, dense_width=33792,
         first_dense=1, moe_layer_freq=1, moe_renormalize=True, routed_scaling=1.0,
         situ_beta1=4.0, situ_beta2=25.0, attn_res_block=12, bos_token_id=163584,
-        eos_token_id=163586, pad_token_id=163839,
+        eos_token_id=163586, pad_token_id=163839, trunk_dtype="BF16",
     )
     for key, value in expected.items():
         got = getattr(real, key)
@@ -181,6 +181,7 @@ def test_missing_situ_betas_refused() -> None:
     ("text_config", "quantization_config", "ignore"),
     ("text_config", "linear_attn_config", "kda_layers"),
     ("bos_token_id",),
+    ("text_config", "dtype"),  # it decides which dtype a trunk tensor may have
 ])
 def test_each_missing_field_refused(path: tuple[str, ...]) -> None:
     err = refused(mutated(delete(*path)))
@@ -273,6 +274,9 @@ REFUSALS: list[tuple[str, Mutation, str]] = [
     ("bos >= V", lambda r: r.update(bos_token_id=163840), "bos_token_id"),
     ("pad negative", lambda r: r.update(pad_token_id=-1), "pad_token_id"),
     ("text_config not an object", lambda r: r.update(text_config=[]), "JSON object"),
+    ("unknown weight dtype", tc("dtype", "float8_e4m3fn"),
+     "text_config.dtype: must be one of bfloat16, float16, float32"),
+    ("weight dtype not a string", tc("dtype", 16), "text_config.dtype: expected a string"),
 ]
 
 
@@ -283,6 +287,13 @@ def test_refusal(mutation: Mutation, needle: str) -> None:
     assert any(needle in p for p in err.problems), err.problems
     assert isinstance(err, CheckpointError)
     assert "test-config.json" in str(err) and "fix" in str(err)
+
+
+def test_older_torch_dtype_key_gives_the_trunk_dtype() -> None:
+    def older(root: dict[str, Any]) -> None:
+        root["text_config"]["torch_dtype"] = root["text_config"].pop("dtype")
+    assert parse_config(mutated(older)).trunk_dtype == "BF16"
+    assert parse_config(mutated(tc("dtype", "float16"))).trunk_dtype == "F16"
 
 
 def test_integer_literal_accepted_for_float_fields() -> None:

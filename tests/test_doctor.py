@@ -88,6 +88,22 @@ def test_doctor_with_a_model_reports_the_plan(tmp_path: Path) -> None:
     assert sorted(p.name for p in model.iterdir()) == before
 
 
+def test_doctor_json_is_written_0600_like_run_json(tmp_path: Path) -> None:
+    import stat
+    probe_dir = tmp_path / "disk"
+    probe_dir.mkdir()
+    out = tmp_path / "report.json"
+    out.write_text("an older, looser report")
+    os.chmod(out, 0o644)
+    old = os.umask(0o022)
+    try:
+        code, rep = run(tmp_path, probe_dir)
+    finally:
+        os.umask(old)
+    assert code == 0 and rep["probe"]["read_bytes"] == 17_547_264
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
 def test_doctor_usage_errors(tmp_path: Path, capsys) -> None:
     assert dr.main_doctor(["--dir", str(tmp_path / "missing")]) == 2
     assert dr.main_doctor(["--dir", str(tmp_path), "--size-mb", "10"]) == 2

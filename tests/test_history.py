@@ -286,7 +286,10 @@ def _append_many(root: str, name: str, count: int, barrier: Any) -> None:
 
 def test_two_processes_append_to_different_sessions_at_once(tmp_path: Path) -> None:
     root = tmp_path / "h"
-    ctx = multiprocessing.get_context("fork")
+    # Fresh interpreters, as two `k3chat run` would be: a forked copy of this pytest process
+    # would inherit its engine threads (reader threads, the compute pool) without them, and
+    # a model left for the garbage collector hung or crashed such a child (see test_fork_safety).
+    ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_append_many, args=(str(root), name, 200, barrier)) for name in ("alpha", "beta")]
     for p in procs:

@@ -92,6 +92,17 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch):
     return set_machine
 
 
+# What `k3chat plan` sets aside for the process in these in-process calls (the pytest process
+# itself is larger and varies): a fixed, typical front-end reserve.
+PROCESS = 72 * sz.MiB
+
+
+@pytest.fixture
+def fixed_process(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(sz, "process_reserve", lambda: PROCESS)
+    return PROCESS
+
+
 def check_invariants(plan: pl.Plan) -> None:
     """What every plan must satisfy, whatever the budget."""
     assert plan.total <= plan.budget and plan.open_peak_bytes <= plan.budget
@@ -571,21 +582,26 @@ def test_index_that_does_not_match_config_is_refused(tiny: Path, tmp_path: Path)
         pl.tensor_sizes_from_dir(bare)
 
 
-def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_machine) -> None:
+def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_machine,
+                                     fixed_process) -> None:
     out = tmp_path / "plan.json"
-    argv = [str(tiny), "--memory", "64M", "--context", "2048", "--json", str(out)]
+    argv = [str(tiny), "--memory", "136M", "--context", "2048", "--json", str(out)]
     assert pl.main_plan(argv) == 0
     text = capsys.readouterr().out
     for part in ("floor total", "KDA state", "MLA latent cache", "2,048 positions",
                  "resident (all layers)", "expert cache", "total"):
         assert part in text, part
     data = json.loads(out.read_text())
-    assert data["ok"] and data["plan"]["total"] <= 64 * sz.MiB
+    assert data["ok"] and data["plan"]["total"] <= 136 * sz.MiB
+    assert data["plan"]["process_bytes"] == PROCESS  # the budget covers the process too
+    row = next(line for line in text.splitlines() if "process (beside the engine)" in line)
+    assert f"{PROCESS:,} B" in row and "resident memory" in row
     assert data["plan"]["context"] == 2048 and data["plan"]["trunk_resident"] is True
     assert data["plan"]["embed_stream"] is False
     # A budget that forces streaming: embedding rows and the lookahead in table and JSON.
     cfg = load_config(tiny)
-    budget = pl.minimum_budget(cfg, pl.tensor_sizes_from_dir(tiny, cfg), 2048, lookahead=2)
+    budget = pl.minimum_budget(cfg, pl.tensor_sizes_from_dir(tiny, cfg), 2048, lookahead=2,
+                               process_bytes=PROCESS)
     argv = [str(tiny), "--memory", str(budget), "--context", "2048", "--lookahead", "2",
             "--json", str(out)]
     assert pl.main_plan(argv) == 0
@@ -602,7 +618,28 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "embed_stream": True}
 
 
-def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_machine) -> None:
+def test_plan_json_is_written_0600_like_run_json(tiny: Path, tmp_path: Path, capsys,
+                                                fake_machine, fixed_process) -> None:
+    import os
+    import stat
+    out = tmp_path / "plan.json"
+    out.write_text("an older, looser report")
+    os.chmod(out, 0o644)
+    old = os.umask(0o022)
+    try:
+        assert pl.main_plan([str(tiny), "--memory", "136M", "--json", str(out)]) == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o600 and json.loads(out.read_text())["ok"]
+        refused = tmp_path / "refused.json"
+        assert pl.main_plan([str(tiny), "--memory", "1M", "--json", str(refused)]) == 2
+        assert stat.S_IMODE(refused.stat().st_mode) == 0o600
+        assert json.loads(refused.read_text())["ok"] is False
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "refused.json"]
+
+
+def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_machine,
+                                     fixed_process) -> None:
     assert pl.main_plan([str(tiny), "--memory", "1M"]) == 2
     err = capsys.readouterr().err
     assert "refused" in err and "1,048,576 B" in err and "What to do" in err
@@ -613,10 +650,10 @@ def test_k3chat_plan_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, fake_ma
     assert pl.main_plan([str(tiny), "--context", "0"]) == 2
     assert pl.main_plan([str(tiny), "--lookahead", "-1"]) == 2
     # Above what the (fake) machine holds: refused, unless planning for another machine.
-    fake_machine(sz.MachineMemory(total=sz.GiB, available=32 * sz.MiB, swap_total=0, cgroup=None))
-    assert pl.main_plan([str(tiny), "--memory", "64M"]) == 2
+    fake_machine(sz.MachineMemory(total=sz.GiB, available=96 * sz.MiB, swap_total=0, cgroup=None))
+    assert pl.main_plan([str(tiny), "--memory", "136M"]) == 2
     assert "without swapping" in capsys.readouterr().err
-    assert pl.main_plan([str(tiny), "--memory", "64M", "--no-machine-check"]) == 0
+    assert pl.main_plan([str(tiny), "--memory", "136M", "--no-machine-check"]) == 0
 
 
 # ---------------------------------------------------------------------------------------

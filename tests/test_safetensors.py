@@ -274,9 +274,15 @@ def test_vision_shard_may_be_absent(tmp_path: Path) -> None:
     assert ckpt.missing_shards == [SV] and ckpt.shards == [S1, S2]
 
 
-def test_total_size_checked_when_all_shards_present(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="total_size is 27"):
-        open_checkpoint(sharded(tmp_path, total=27))
+def test_wrong_total_size_is_not_refused_at_open_but_kept_for_bind(tmp_path: Path) -> None:
+    # Published indexes sometimes carry a wrong total: open leaves the verdict to whoever
+    # checks every tensor's shape and dtype (bind, the planner).
+    ckpt = open_checkpoint(sharded(tmp_path, total=27))
+    assert ckpt.total_size == 27 and ckpt.shard_total == 28
+    assert ckpt.total_size_problem == (f"{tmp_path / INDEX_NAME}: metadata.total_size is 27 "
+                                       f"but the shards hold 28 tensor bytes")
+    (tmp_path / "ok").mkdir()
+    assert open_checkpoint(sharded(tmp_path / "ok", total=28)).total_size_problem is None
 
 
 def test_absent_language_shard_reported_by_bind_not_open(tmp_path: Path) -> None:
@@ -365,10 +371,11 @@ from reference import REFERENCE
 REAL_CONFIG = json.loads((REFERENCE / "config.json").read_text())
 
 
-def tiny_config() -> ModelConfig:
+def tiny_config(text_dtype: str = "bfloat16") -> ModelConfig:
     root = copy.deepcopy(REAL_CONFIG)
     root.update(bos_token_id=1000, eos_token_id=1001, pad_token_id=1023)
     text = root["text_config"]
+    text["dtype"] = text_dtype
     text.update(hidden_size=128, num_hidden_layers=13, vocab_size=1024, num_attention_heads=4,
                 num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24,
                 qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2,
@@ -523,6 +530,126 @@ def test_bind_reports_missing_extra_and_misshapen_together(tmp_path: Path,
     assert f"{norm} in model-00005-of-000014.safetensors: shape [127], expected [128]" in message
     assert f"{q_a} in model-00004-of-000014.safetensors: shape [128, 64], expected [64, 128]" \
         in message
+
+
+def test_trunk_dtype_other_than_the_configs_is_refused(tmp_path: Path,
+                                                      tiny: ModelConfig) -> None:
+    # The audit's edit: BF16 -> F16 keeps every span valid (2 bytes per element), so only
+    # the dtype contract (config.json dtype bfloat16; spec 3.3's F32 tensors) can catch it.
+    q = "language_model.model.layers.1.self_attn.q_proj.weight"
+    head = "language_model.lm_head.weight"
+    conv = "language_model.model.layers.2.self_attn.k_conv1d.weight"
+    dt_bias = "language_model.model.layers.2.self_attn.dt_bias"
+    assert tiny.trunk_dtype == "BF16"
+    tiny_checkpoint(tmp_path, tiny, override={q: {"dtype": "F16"}, head: {"dtype": "F16"},
+                                              conv: {"dtype": "BF16"}, dt_bias: {"dtype": "F16"}})
+    with pytest.raises(TensorSetError) as info:
+        bind(tiny, open_checkpoint(tmp_path))
+    err = info.value
+    assert len(err.misshapen) == 4 and not err.missing and not err.extra
+    assert (f"{q} in model-00002-of-000014.safetensors: dtype F16, expected BF16 (config.json "
+            f"text_config.dtype is bfloat16)") in str(err)
+    assert f"{head} in model-00014-of-000014.safetensors: dtype F16, expected BF16" in str(err)
+    for name in (conv, dt_bias):
+        found = "BF16" if name == conv else "F16"
+        assert (f"{name} in model-00003-of-000014.safetensors: dtype {found}, expected F32 "
+                f"(spec 3.3: conv weights, dt_bias and A_log are stored in F32)") in str(err)
+
+
+def _set_total_size(model: Path, delta: int) -> tuple[int, int]:
+    """Make the index's metadata.total_size wrong by `delta`; return (written, actual)."""
+    index = json.loads((model / INDEX_NAME).read_text())
+    shards = set(index["weight_map"].values())
+    actual = sum(t.nbytes for shard in shards if (model / shard).exists()
+                 for t in read_header(model / shard).values())
+    index["metadata"] = {"total_size": actual + delta}
+    (model / INDEX_NAME).write_text(json.dumps(index))
+    return actual + delta, actual
+
+
+def test_wrong_total_size_warns_once_when_every_tensor_fits(
+        tmp_path: Path, tiny: ModelConfig, caplog: pytest.LogCaptureFixture) -> None:
+    from k3engine.planner import tensor_sizes_from_dir
+    tiny_checkpoint(tmp_path, tiny)
+    (tmp_path / f"model-{tiny.n_layers + 2:05d}-of-000014.safetensors").write_bytes(
+        st_bytes({"vision_tower.x": entry("U8", [3], 0, 3)}, b"abc"))  # all shards present
+    written, actual = _set_total_size(tmp_path, 1000)
+    with caplog.at_level("WARNING", logger="k3engine.safetensors_io"):
+        tensor_sizes_from_dir(tmp_path, tiny)  # the planner runs first, then the model opens
+        bind(tiny, open_checkpoint(tmp_path))
+        bind(tiny, open_checkpoint(tmp_path))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert f"metadata.total_size is {written} but the shards hold {actual} tensor bytes" \
+        in warned[0] and "the checkpoint is used" in warned[0]
+
+
+def test_wrong_total_size_is_named_when_bind_refuses(tmp_path: Path, tiny: ModelConfig) -> None:
+    gone = "language_model.model.layers.6.self_attn.b_proj.weight"
+    tiny_checkpoint(tmp_path, tiny, drop=(gone,))
+    (tmp_path / f"model-{tiny.n_layers + 2:05d}-of-000014.safetensors").write_bytes(
+        st_bytes({"vision_tower.x": entry("U8", [3], 0, 3)}, b"abc"))
+    written, actual = _set_total_size(tmp_path, -5)
+    with pytest.raises(TensorSetError) as info:
+        bind(tiny, open_checkpoint(tmp_path))
+    assert gone in info.value.missing
+    assert (f"also: {tmp_path / INDEX_NAME}: metadata.total_size is {written} but the shards "
+            f"hold {actual} tensor bytes") in str(info.value)
+
+
+def test_run_goes_on_with_one_warning_when_total_size_is_wrong(tmp_path: Path,
+                                                               tiny_dir: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+    model = tmp_path / "wrong-total"
+    shutil.copytree(tiny_dir, model)
+    written, actual = _set_total_size(model, 4096)
+    done = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", str(model), "--ids", "1,2",
+                           "--gen", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("generated: ") and done.stdout.split()[1].count(",") == 2
+    assert done.stderr.count("metadata.total_size") == 1, done.stderr
+    assert f"total_size is {written} but the shards hold {actual} tensor bytes" in done.stderr
+
+
+def test_run_refuses_the_audits_one_byte_bf16_to_f16_edit(tmp_path: Path,
+                                                          tiny_dir: Path) -> None:
+    # Same-length edit ("BF16" -> ' "F16"'): the header stays valid, spans and all.
+    import shutil
+    import subprocess
+    import sys
+    model = tmp_path / "edited"
+    shutil.copytree(tiny_dir, model)
+    shard = model / "model-00002-of-000014.safetensors"
+    name = "language_model.model.layers.1.self_attn.q_proj.weight"
+    raw = shard.read_bytes()
+    key = f'"{name}":{{"dtype":"BF16"'.encode()
+    assert raw.count(key) == 1
+    shard.write_bytes(raw.replace(key, key[:-6] + b' "F16"'))
+    assert read_header(shard)[name].dtype == "F16"
+    done = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", str(model), "--ids", "1,2",
+                           "--gen", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert (f"{name} in {shard.name}: dtype F16, expected BF16 (config.json text_config.dtype "
+            f"is bfloat16)") in done.stderr
+
+
+def test_f16_trunk_binds_when_the_config_says_float16(tmp_path: Path) -> None:
+    cfg16 = tiny_config(text_dtype="float16")
+    assert cfg16.trunk_dtype == "F16"
+    specs = expected_tensors(cfg16)
+    as_f16 = {n: {"dtype": "F16"} for n, s in specs.items()
+              if s.kind != "expert" and stored_dtype(n, s.kind) == "BF16"}
+    tiny_checkpoint(tmp_path, cfg16, override=as_f16)
+    bind(cfg16, open_checkpoint(tmp_path))  # F16 is read because the config says so
+    (tmp_path / INDEX_NAME).unlink()
+    for shard in tmp_path.glob("*.safetensors"):
+        shard.unlink()
+    tiny_checkpoint(tmp_path, cfg16)  # BF16 as released, against a float16 config
+    with pytest.raises(TensorSetError, match=r"dtype BF16, expected F16 \(config.json "
+                                             r"text_config.dtype is float16\)"):
+        bind(cfg16, open_checkpoint(tmp_path))
 
 
 @pytest.mark.parametrize("length,ok", [(4, True), (16, True), (3, False)])

@@ -27,6 +27,7 @@ import numpy as np
 
 from k3engine.fixture import (LM, LayerTensors, ModelTensors, Preset, build_config, plan_shards,
                               read_special_ids)
+from k3engine.private_files import make_private_dirs, open_private, write_private
 from k3engine.tokenizer_files import piece_counts, write_tokenizer
 from k3engine.writer import EXPERT_PARTS, bf16_tensor, f32_tensor, quantize_checked, u8_tensor, write_sharded
 
@@ -157,7 +158,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     torch = require_torch()
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    out.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(out)
     t0 = time.time()
     tok = build_tokenizer(out, seed)
     vocab = tok.vocab_size
@@ -224,8 +225,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             _log(f"step {step:5d}/{steps} loss {recent:.4f} lr {cur_lr:.2e} {el:7.0f} s "
                  f"({(step + 1 - start_step) / max(el, 1e-9):.2f} step/s)")
         if (step + 1) % 100 == 0 or step == steps - 1:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "history": history}, state_path)
+            with open_private(state_path) as fh:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "step": step + 1, "history": history}, fh)
     train_seconds = time.time() - t_train
     export(model, out, seed)
     meta = {
@@ -238,7 +240,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "preset": DEMO_PRESET.note, "torch": torch.__version__,
         "parameters": sum(int(x.numel()) for x in model.parameters()),
     }
-    (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_private(out / "training.json", json.dumps(meta, indent=2) + "\n")
     state_path.unlink(missing_ok=True)   # only for resuming an interrupted run; never shipped
     return meta
 
@@ -281,7 +283,7 @@ def export(model: Any, out: Path, seed: int) -> None:
     for old in out.glob("model-*.safetensors"):
         old.unlink()
     write_sharded(out, plan_shards(ModelTensors(layers, model_level), seed, scrambled=False), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(build_config(p, vocab, read_special_ids(out)), indent=2) + "\n")
+    write_private(out / "config.json", json.dumps(build_config(p, vocab, read_special_ids(out)), indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- recording
@@ -338,9 +340,9 @@ def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMP
                      "reasoning": reasoning, "answer": answer, "accept": list(t.accept),
                      "extract": t.extract, "correct": ok and tasks.is_correct(t, answer)})
         _log(f"recorded {task}/{mode}: {'ok' if rows[-1]['correct'] else 'WRONG'} {answer[:60]!r}")
-    with open(model_dir / "prompts.jsonl", "w", encoding="utf-8") as f:
+    with open_private(model_dir / "prompts.jsonl") as f:
         for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
     return len(rows)
 
 
