@@ -43,7 +43,8 @@ def test_run_peak_rss_stays_under_the_budget(big_experts: Path, tmp_path: Path) 
         [sys.executable, "-m", "k3chat.cli", "run", str(big_experts), "--ids", ids, "--gen", "8",
          "--memory", str(budget), "--threads", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")})
+        env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")},
+        cwd=tmp_path)  # not the source tree: `-c` puts the cwd first on sys.path
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     plan, stats = res["plan"], res["stats"]
@@ -98,7 +99,8 @@ def test_app_peak_rss_stays_under_the_budget(big_experts: Path, tmp_path: Path) 
     done = subprocess.run(
         [sys.executable, "-c", APP_SCRIPT, str(big_experts), str(budget), str(out)],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")})
+        env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")},
+        cwd=tmp_path)  # not the source tree: `-c` puts the cwd first on sys.path
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     plan, stats = res["plan"], res["stats"]
