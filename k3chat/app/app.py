@@ -52,6 +52,7 @@ from .screens.sessions import SessionsChanged, SessionsScreen, export_format
 from .screens.viewer import ReasoningViewer
 from .text import one_line
 from .theming import THEMES, resolve_theme, stylesheet
+from .widgets.prompt import teach_alt_enter
 from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class K3ChatApp(App[int]):
     def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
                  engine_factory: EngineFactory, session: SessionInfo | None = None,
                  new_session_name: str | None = None, store: HistoryStore | None = None) -> None:
+        teach_alt_enter()
         super().__init__()
         self.settings = settings
         self.model_dir = model_dir
@@ -413,22 +415,26 @@ class K3ChatApp(App[int]):
         return True
 
     async def submit(self, text: str) -> None:
+        """A message from the box (already emptied by it: keys typed since stay there)."""
         if not self._can_start():
+            self.chat.prompt.restore(text)
             return
         if self.conv is not None and self.conv.pending_user:
+            self.chat.prompt.restore(text)
             self.say("The last message has no answer yet: ctrl+r answers it, ctrl+e edits it", warning=True)
             return
         chat = self.chat
         chat.clear_notice()
-        chat.prompt.clear()
         await self._start_turn("send", text)
 
     async def submit_edit(self, text: str) -> None:
-        if not self._can_start():
-            return
         chat = self.chat
-        chat.stop_edit(restore=False)
-        chat.prompt.clear()
+        if not self._can_start():
+            chat.prompt.restore(text)
+            return
+        draft = chat.stop_edit(restore=False)
+        if draft:
+            chat.prompt.restore(draft)  # what was in the box before ctrl+e comes back
         await self._start_turn("edit", text)
 
     async def action_regenerate(self) -> None:
@@ -559,8 +565,8 @@ class K3ChatApp(App[int]):
         if text is not None and kind in ("send", "edit"):
             if kind == "edit":
                 chat.start_edit(text)
-            elif not chat.prompt.text:
-                chat.prompt.set_text(text)
+            else:
+                chat.prompt.restore(text)
         chat.show_notice(message, error=True)
         if self.conv is not None:
             estimate = self._estimate(self.conv)

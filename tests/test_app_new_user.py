@@ -1,0 +1,118 @@
+"""The chat app's defects a new user hit (issue 8, items 1-4, 8, 11, 12), each driven the way
+the user met it: keys through Pilot (or through Textual's own terminal parser where the bug is
+in what the terminal sends), the real engine on the tiny fixture, scripted samples."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3chat.history import HistoryStore
+from k3chat.tokenizer import Tokenizer
+
+textual = pytest.importorskip("textual")
+
+from textual import events  # noqa: E402
+from textual._xterm_parser import XTermParser  # noqa: E402
+
+from test_app import SIZE, Script, answer, home, make_app, model, run, screen_text, started, stored, tok, until  # noqa: E402,F401
+
+from k3chat.app.widgets.transcript import UserMessage  # noqa: E402
+
+
+def burst(app: Any, *keys: str) -> None:
+    """Keys as a terminal delivers a burst (type-ahead, a slow SSH link): all queued before the
+    app handles the first, unlike Pilot.press, which waits for the app between keys."""
+    for key in keys:
+        char = key if len(key) == 1 else ("\r" if key == "enter" else None)
+        event = events.Key(key, char)
+        event.set_sender(app)
+        app._driver.send_message(event)
+
+
+# --------------------------------------------------------------------------- item 1: input
+
+
+def test_alt_enter_from_a_terminal_is_read_as_alt_enter(model: Any, tok: Tokenizer, tiny_dir: Path,
+                                                         home: Path) -> None:
+    make_app(model, tok, tiny_dir, Script())  # the app teaches Textual the sequence
+    parser = XTermParser()
+    keys = [e.key for e in parser.feed("a\x1b\rb") if isinstance(e, events.Key)]
+    assert keys == ["a", "alt+enter", "b"]  # tmux's ESC CR; a plain enter would send the message
+
+
+def test_alt_enter_inserts_a_newline(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pilot.press(*"one", "alt+enter", *"two")
+            await pilot.pause(0.05)
+            assert app.chat.prompt.text == "one\ntwo"
+            assert not app.busy and not app.chat.query(UserMessage)
+
+    run(scenario)
+
+
+def test_keys_typed_in_the_same_burst_as_enter_are_kept(home: Path, model: Any, tok: Tokenizer,
+                                                        tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " r", " ok")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            burst(app, *"one", "enter", *"two")
+            await until(pilot, lambda: app.turns_over == 1, "the turn to end")
+            await pilot.pause(0.05)
+            assert [u.text for u in app.chat.query(UserMessage)] == ["one"]
+            assert app.chat.prompt.text == "two"  # typed while "one" was being sent
+            assert stored(app.conv.session_id)[0] == {"role": "user", "content": "one"}
+
+    run(scenario)
+
+
+def test_a_refused_message_comes_back_with_what_was_typed_since(home: Path, model: Any, tok: Tokenizer,
+                                                                tiny_dir: Path) -> None:
+    store = HistoryStore()
+    info = store.create("crashed")
+    store.append(info.id, {"role": "user", "content": "are you there?"})  # unanswered: a new one is refused
+    app = make_app(model, tok, tiny_dir, Script(), session=info.id)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: "has no answer" in screen_text(app), "the notice")
+            burst(app, *"first", "enter", *"more")
+            await pilot.pause(0.2)
+            assert not app.busy and len(stored(info.id)) == 1
+            assert app.chat.prompt.text == "first\nmore"
+
+    run(scenario)
+
+
+def test_the_draft_comes_back_after_an_edit_is_sent(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a", " One."), answer(tok, " b", " Two.")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            app.chat.prompt.set_text("First")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over == 1, "the first turn")
+            app.chat.prompt.set_text("a draft")
+            await pilot.press("ctrl+e")
+            app.chat.prompt.set_text("First, edited")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over == 2, "the edited turn")
+            assert stored(app.conv.session_id)[0]["content"] == "First, edited"
+            assert app.chat.prompt.text == "a draft" and not app.chat.editing
+
+    run(scenario)
