@@ -116,3 +116,44 @@ def test_the_draft_comes_back_after_an_edit_is_sent(home: Path, model: Any, tok:
             assert app.chat.prompt.text == "a draft" and not app.chat.editing
 
     run(scenario)
+
+
+# --------------------------------------------------------------------------- item 8: the viewer
+
+
+def test_viewer_escape_closes_only_the_find_box_and_n_jumps_after_enter(home: Path, model: Any, tok: Tokenizer,
+                                                                         tiny_dir: Path) -> None:
+    from textual.widgets import Input
+
+    from k3chat.app.screens.viewer import ReasoningViewer
+
+    app = make_app(model, tok, tiny_dir, Script())
+    text = "first idea\nsecond idea\nthird idea"
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            app.push_screen(ReasoningViewer(text, "Reasoning"))
+            await until(pilot, lambda: isinstance(app.screen, ReasoningViewer)
+                        and bool(app.screen.query("#viewer-text")), "the viewer")
+            viewer = app.screen
+            area, box = viewer.query_one("#viewer-text"), viewer.query_one("#viewer-find", Input)
+            await pilot.press("slash", *"idea")
+            assert app.focused is box
+            await pilot.press("escape")
+            await pilot.pause(0.05)
+            assert app.screen is viewer  # only the find box closed
+            assert not viewer.query_one("#viewer-find-bar").display and app.focused is area
+            await pilot.press("slash", "enter")  # the query is still there: first match
+            await pilot.pause(0.05)
+            assert area.selected_text == "idea" and area.selection.start == (0, 6)
+            await pilot.press("n")
+            assert area.selection.start == (1, 7) and box.value == "idea"  # jumped, typed nothing
+            await pilot.press("n")
+            assert area.selection.start == (2, 6)
+            await pilot.press("N")
+            assert area.selection.start == (1, 7) and box.value == "idea"
+            await pilot.press("escape")  # from the text: closes the viewer
+            await until(pilot, lambda: not isinstance(app.screen, ReasoningViewer), "the viewer to close")
+
+    run(scenario)
