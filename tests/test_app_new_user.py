@@ -157,3 +157,70 @@ def test_viewer_escape_closes_only_the_find_box_and_n_jumps_after_enter(home: Pa
             await until(pilot, lambda: not isinstance(app.screen, ReasoningViewer), "the viewer to close")
 
     run(scenario)
+
+
+# --------------------------------------------------------------------------- item 4: the theme
+
+
+async def palette(pilot: Any, command: str) -> None:
+    """Run a command of the palette (ctrl+p) the way a person does: type it, press enter."""
+    from textual.command import CommandPalette
+
+    app = pilot.app
+    await pilot.press("ctrl+p")
+    await until(pilot, lambda: isinstance(app.screen, CommandPalette), "the palette")
+    await pick(pilot, command)
+
+
+async def pick(pilot: Any, text: str) -> None:
+    """Type ``text`` into the open palette and run its best match."""
+    from textual.command import CommandList, CommandPalette
+
+    app = pilot.app
+    await pilot.press(*text)
+    await until(pilot, lambda: isinstance(app.screen, CommandPalette)
+                and app.screen.query_one(CommandList).option_count > 0, "the palette's matches")
+    await pilot.pause(0.3)  # the search settles on the best match
+    await pilot.press("enter")
+    await pilot.pause(0.1)
+
+
+def test_the_theme_chosen_in_the_palette_is_remembered(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from dataclasses import replace
+
+    from k3chat import paths
+
+    first = make_app(model, tok, tiny_dir, Script())
+
+    async def choose() -> None:
+        async with first.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            assert first.theme == "k3-dark"
+            await palette(pilot, "Theme")
+            await pick(pilot, "k3-light")
+            assert first.theme == "k3-light"
+
+    run(choose)
+    second = make_app(model, tok, tiny_dir, Script())
+
+    async def restart() -> None:
+        async with second.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            assert second.theme == "k3-light"  # remembered across starts
+
+    run(restart)
+    from k3chat.app.theming import app_state_path
+
+    path = app_state_path()  # a private file beside config.toml (which is never rewritten)
+    assert path.parent == paths.config_dir() and not paths.config_file().exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    # config.toml's theme edited after the choice: the file wins again
+    third = make_app(model, tok, tiny_dir, Script())
+    third.settings = replace(third.settings, theme="textual-dark")
+
+    async def edited() -> None:
+        async with third.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            assert third.theme == "textual-dark"
+
+    run(edited)

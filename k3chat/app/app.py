@@ -51,7 +51,7 @@ from .screens.help import HelpScreen
 from .screens.sessions import SessionsChanged, SessionsScreen, export_format
 from .screens.viewer import ReasoningViewer
 from .text import one_line
-from .theming import THEMES, resolve_theme, stylesheet
+from .theming import THEMES, remember_theme, remembered_theme, resolve_theme, stylesheet
 from .widgets.prompt import teach_alt_enter
 from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
 
@@ -150,6 +150,7 @@ class K3ChatApp(App[int]):
         self._job_done = threading.Event()  # no turn job runs (set), one runs (clear)
         self._job_done.set()
         self._chat: ChatScreen
+        self._theme_kept = ""  # the theme in use that needs no saving
 
     # ------------------------------------------------------------------ setup
 
@@ -173,12 +174,27 @@ class K3ChatApp(App[int]):
         for theme in THEMES:
             self.register_theme(theme)
         name, warning = resolve_theme(self.settings.theme, self.available_themes)
-        self.theme = name
+        remembered = remembered_theme(self.settings.theme)
+        if remembered in self.available_themes:
+            name, warning = remembered, None
+        self.theme = self._theme_kept = name
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
         if warning:
             self.say(warning, warning=True)
         self._install_signals()
         if self.settings.keys:  # [keys] in config.toml: binding id = key(s), e.g. quit = "ctrl+x"
             self.set_keymap(dict(self.settings.keys))
+
+    def _remember_theme(self, theme: Any) -> None:
+        """A theme chosen in the palette (Textual's "Change theme") is kept for the next start."""
+        if theme.name == self._theme_kept:
+            return
+        try:
+            remember_theme(theme.name, self.settings.theme)
+        except OSError as exc:
+            self.say(f"theme {theme.name} not remembered for the next start: {exc}", warning=True)
+            return
+        self._theme_kept = theme.name
 
     def chat_ready(self) -> None:
         """The chat screen is composed: show what happens and start opening the model."""
