@@ -205,7 +205,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
-                        session=args.session, memory=memory, threads=args.threads, context=args.context)
+                        session=args.session, memory=memory, threads=args.threads, context=args.context,
+                        thinking_given=bool(args.no_think or args.thinking_effort))
     except AppUsageError as exc:
         return usage_error(str(exc))
     except (HistoryError, UnsafePathError, OSError) as exc:

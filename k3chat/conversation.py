@@ -344,6 +344,7 @@ class Conversation:
         loaded = store.load(session_id)
         self._records: list[dict[str, Any]] = list(loaded.records)
         self.load_problems: list[str] = list(loaded.problems)
+        self.session_settings: dict[str, Any] = dict(getattr(loaded, "settings", {}))  # as stored, unchecked
         self._session: EngineSession | None = None
         self._fed: list[int] | None = None  # None: unknown (tainted)
         self._snaps: list[_Snap] = []

@@ -224,3 +224,94 @@ def test_the_theme_chosen_in_the_palette_is_remembered(home: Path, model: Any, t
             assert third.theme == "textual-dark"
 
     run(edited)
+
+
+# --------------------------------------------------------------------------- item 3: thinking effort
+
+
+def test_thinking_effort_is_shown_asked_kept_per_session_and_restored(home: Path, model: Any, tok: Tokenizer,
+                                                                       tiny_dir: Path) -> None:
+    from k3chat.app.screens.dialogs import ConfirmScreen
+    from k3chat.template import encode, render
+
+    first = make_app(model, tok, tiny_dir, Script(answer(tok, " a", " One."), answer(tok, " b", " Two.")))
+    seen: dict[str, Any] = {}
+
+    async def change_and_quit() -> None:
+        async with first.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            status = first.chat.status
+            assert "thinking high" in status.parts()  # the launch setting (make_app: effort high)
+            first.chat.prompt.set_text("First")
+            await pilot.press("enter")
+            await until(pilot, lambda: first.turns_over == 1, "the first turn")
+            records = first.conv.records
+            old = encode(render(records, thinking=True, effort="high", add_generation_prompt=False), tok)
+            new = encode(render(records, thinking=True, effort="low", add_generation_prompt=False), tok)
+            same = next(i for i, (x, y) in enumerate(zip(old, new)) if x != y)
+            await palette(pilot, "Thinking: low")
+            await until(pilot, lambda: isinstance(first.screen, ConfirmScreen), "the question")
+            question = first.screen.question
+            assert f"re-reads all {len(new) - same:,} tokens" in question, question
+            await pilot.press("n")  # kept as it was
+            await pilot.pause(0.05)
+            assert (first.thinking, first.effort) == (True, "high") and "thinking high" in status.parts()
+            await palette(pilot, "Thinking: low")
+            await until(pilot, lambda: isinstance(first.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
+            await pilot.pause(0.05)
+            assert "thinking low" in status.parts() and first.conv.effort == "low"
+            titles = [c.title for c in first.get_system_commands(first.screen)]
+            assert "Thinking: low (current)" in titles and "Thinking: high" in titles
+            first.chat.prompt.set_text("Second")
+            await pilot.press("enter")
+            await until(pilot, lambda: first.turns_over == 2, "the second turn")
+            seen["sid"] = first.conv.session_id
+            await pilot.press("ctrl+q")
+
+    run(change_and_quit)
+    sid = seen["sid"]
+    assert HistoryStore().load(sid).settings == {"thinking": True, "effort": "low"}  # stored with the session
+    assert HistoryStore().load(sid).records[-1]["effort"] == "low"
+    second = make_app(model, tok, tiny_dir, Script(answer(tok, " c", " Three.")), session=sid)
+
+    async def resume() -> None:
+        async with second.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: second.conv is not None, "the session")
+            assert (second.thinking, second.effort) == (True, "low")  # not the launch setting (high)
+            assert "thinking low" in second.chat.status.parts()
+            second.chat.prompt.set_text("Third")
+            await pilot.press("enter")
+            await until(pilot, lambda: second.turns_over == 1, "the third turn")
+            await pilot.press("ctrl+q")
+
+    run(resume)
+    last = HistoryStore().load(sid).records[-1]
+    assert last["effort"] == "low" and last["tokens"]["reused"] > 0  # the saved state matched the history
+
+
+def test_thinking_from_the_command_line_overrides_the_resumed_session_and_says_so(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from k3chat.app import build_app
+    from k3chat.settings import Settings
+
+    store = HistoryStore()
+    info = store.create("kept low")
+    store.append(info.id, {"role": "user", "content": "hi"})
+    store.append(info.id, {"role": "assistant", "content": "Hi.", "reasoning_content": "", "thinking": True,
+                           "effort": "low"})
+    base = make_app(model, tok, tiny_dir, Script())
+    app = build_app(tiny_dir, settings=Settings(effort="max"), engine_factory=base.engine_factory, session=info.id,
+                    thinking_given=True)  # k3chat chat --session ID --thinking-effort max
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: app.conv is not None, "the session")
+            assert (app.effort, app.conv.effort) == ("max", "max")
+            await until(pilot, lambda: "from the command line (this session had thinking low)"
+                        in str(app.chat.query_one("#notice").render()), "the note")
+
+    run(scenario)
+    assert HistoryStore().load(info.id).settings == {"thinking": True, "effort": "max"}

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -46,7 +46,7 @@ from k3chat.settings import Settings
 
 from .engine import Engine, EngineFactory, open_engine, plan_summary
 from .screens.chat import ChatScreen
-from .screens.dialogs import AskScreen
+from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
 from .screens.sessions import SessionsChanged, SessionsScreen, export_format
 from .screens.viewer import ReasoningViewer
@@ -54,6 +54,7 @@ from .text import one_line
 from .theming import THEMES, remember_theme, remembered_theme, resolve_theme, stylesheet
 from .widgets.prompt import teach_alt_enter
 from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
+from .widgets.status import thinking_label
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,47 @@ def _merged(events: list[Any]) -> list[tuple[Any, int]]:
         else:
             out.append((event, 1))
     return out
+
+
+def stored_thinking(settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None] | None:
+    """A session's own thinking setting: its last "settings" line, else what its last answer
+    used (each answer records it); None when it has neither. The effort is None when the
+    session answers without thinking and never said which effort."""
+    on, effort = settings.get("thinking"), settings.get("effort")
+    if isinstance(on, bool):
+        return on, effort if effort in EFFORTS else None
+    for record in reversed(records):
+        if record.get("role") == "assistant" and isinstance(record.get("thinking"), bool):
+            effort = record.get("effort")
+            return record["thinking"], effort if effort in EFFORTS else None
+    return None
+
+
+def history_ids(records: Sequence[Mapping[str, Any]], tokenizer: Any, thinking: bool, effort: str | None) -> list[int]:
+    """The ids the model holds for ``records`` under a thinking setting (the effort is part of
+    the rendering, at its very start)."""
+    from k3chat.template import encode, render
+
+    segments = render(records, thinking=thinking, effort=effort if thinking else None, add_generation_prompt=False)
+    return encode(segments, tokenizer)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def last_prefill_speed(records: Sequence[Mapping[str, Any]]) -> float | None:
+    for record in reversed(records):
+        speed = record.get("speed")
+        value = speed.get("prefill_tokens_per_second") if isinstance(speed, dict) else None
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return None
 
 
 class AppUsageError(Exception):
@@ -113,7 +155,8 @@ class K3ChatApp(App[int]):
 
     def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
                  engine_factory: EngineFactory, session: SessionInfo | None = None,
-                 new_session_name: str | None = None, store: HistoryStore | None = None) -> None:
+                 new_session_name: str | None = None, store: HistoryStore | None = None,
+                 thinking_given: bool = False) -> None:
         teach_alt_enter()
         super().__init__()
         self.settings = settings
@@ -125,8 +168,11 @@ class K3ChatApp(App[int]):
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
         self.markdown = True
-        self.thinking = settings.thinking
+        self.thinking = settings.thinking  # this session's (status bar, palette); kept in its history
         self.effort = settings.effort
+        # A session starts with the launch settings; one given on the command line also
+        # overrides what the session resumed at launch had stored.
+        self._thinking_given = thinking_given
         self.engine: Engine | None = None
         self.conv: Conversation | None = None
         self.ready = False
@@ -302,6 +348,7 @@ class K3ChatApp(App[int]):
         chat = self.chat
         chat.hide_progress()
         chat.status.set_model(engine.name, plan_summary(engine))
+        chat.status.set_thinking(self.thinking, self.effort)
         chat.status.set_phase("ready")
         chat.set_title(self.session.name if self.session else self.pending_name, engine.name)
         if self.demo:
@@ -341,14 +388,35 @@ class K3ChatApp(App[int]):
             return None
 
     def _open_session_job(self, session_id: str) -> None:
-        """Thread: load a session's conversation (history, prompt size), then show it."""
+        """Thread: load a session's conversation (history, its thinking setting, prompt size),
+        then show it."""
         try:
             conv = self._new_conversation(session_id)
+            note = self._adopt_session_thinking(conv)
             estimate = self._estimate(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, estimate)
+        self._ui(self._session_loaded, conv, estimate, note)
+
+    def _adopt_session_thinking(self, conv: Conversation) -> str | None:
+        """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
+        engine state, match what the history was read with). Returns a note for the user when
+        the command line overrides it."""
+        launch = (self.settings.thinking, self.settings.effort)
+        stored = stored_thinking(conv.session_settings, conv.records)
+        given, self._thinking_given = self._thinking_given, False  # only for the session resumed at launch
+        if stored is None:
+            conv.thinking, conv.effort = launch
+            return None
+        own = (stored[0], stored[1] or launch[1])
+        if not given or own == launch:
+            conv.thinking, conv.effort = own
+            return None
+        conv.thinking, conv.effort = launch
+        HistoryStore(self.store.root).set_settings(conv.session_id, {"thinking": launch[0], "effort": launch[1]})
+        return (f"Thinking: {thinking_label(*launch)} from the command line (this session had "
+                f"{thinking_label(*own)}); the conversation is re-read with it at the next message.")
 
     async def _session_failed(self, message: str) -> None:
         self.loading_session = False
@@ -356,7 +424,7 @@ class K3ChatApp(App[int]):
         self.chat.hide_progress()
         self.chat.show_notice(message, error=True)
 
-    async def _session_loaded(self, conv: Conversation, estimate: int | None) -> None:
+    async def _session_loaded(self, conv: Conversation, estimate: int | None, note: str | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -364,17 +432,21 @@ class K3ChatApp(App[int]):
         if self.conv is not None and self.conv is not conv:
             self.conv.close()
         self.conv = conv
+        self.thinking, self.effort = conv.thinking, conv.effort or self.effort
         try:
             self.session = self.store.info(conv.session_id)
         except HistoryError:
             pass
         chat = self.chat
         chat.hide_progress()
+        chat.status.set_thinking(self.thinking, self.effort)
         await chat.show_history(conv.records)
         chat.set_title(self.session.name if self.session else None, self.engine.name if self.engine else None)
         if estimate is not None:
             chat.status.set_context(estimate, conv.context, estimate=True)
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
+        if note:
+            notes.append(note)
         if conv.pending_user:
             notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it, ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
@@ -391,7 +463,9 @@ class K3ChatApp(App[int]):
         self._close_conversation()
         self.session = None
         self.pending_name = None
+        self.thinking, self.effort = self.settings.thinking, self.settings.effort  # a session's own start
         chat = self.chat
+        chat.status.set_thinking(self.thinking, self.effort)
         await chat.show_history([])
         chat.clear_notice()
         chat.set_title(None, self.engine.name if self.engine else None)
@@ -496,6 +570,8 @@ class K3ChatApp(App[int]):
                 assert engine is not None and text is not None
                 store = HistoryStore(self.store.root)
                 created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name)
+                if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
+                    store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
                 conv = self._new_conversation(created.id)
                 self._ui(self._adopt, conv, created)
             emit = self._emit
@@ -806,24 +882,77 @@ class K3ChatApp(App[int]):
     # ------------------------------------------------------------------ settings from the palette
 
     def set_thinking(self, on: bool, effort: str | None = None) -> None:
+        """The palette's "Thinking: ..." entries. When the new setting changes how the history
+        is presented to the model (the effort is at the very start of the prompt), the next
+        message re-reads the whole conversation: ask first, with the token count."""
         if self.busy:
             self.say("change thinking after this answer", warning=True)
             return
-        old = (self.thinking, self.effort)
-        self.thinking, self.effort = on, effort or self.effort
+        new = (on, effort or self.effort)
+        if new == (self.thinking, self.effort):
+            self.say(f"Thinking is already {thinking_label(*new)}")
+            return
         conv = self.conv
         if conv is not None:
-            conv.thinking, conv.effort = self.thinking, self.effort
-            try:
-                conv.prompt_ids()
-            except ContextOverflow as exc:
-                self.thinking, self.effort = old
-                conv.thinking, conv.effort = old
-                self.chat.show_notice(f"thinking not changed: {exc}", error=True)
+            problem = self._thinking_refused(conv, *new)
+            if problem is not None:
+                self.chat.show_notice(f"thinking not changed: {problem}", error=True)
                 return
-            except Exception:
-                pass
-        self.say(f"Thinking {'effort ' + self.effort if on else 'off'} from the next answer")
+            reread = self._rereading(conv, *new)
+            if reread:
+                self.push_screen(ConfirmScreen(self._reread_question(conv, new, reread), yes="Change", no="Keep"),
+                                 lambda yes: self._apply_thinking(*new) if yes else self.say("Thinking not changed"))
+                return
+        self._apply_thinking(*new)
+
+    @staticmethod
+    def _thinking_refused(conv: Conversation, on: bool, effort: str) -> str | None:
+        """Why the next prompt would not fit with this setting, or None."""
+        old = (conv.thinking, conv.effort)
+        conv.thinking, conv.effort = on, effort
+        try:
+            conv.prompt_ids()
+        except ContextOverflow as exc:
+            return str(exc)
+        except Exception:
+            return None
+        finally:
+            conv.thinking, conv.effort = old
+        return None
+
+    def _rereading(self, conv: Conversation, on: bool, effort: str) -> int:
+        """History tokens the next message must re-read because of the new setting (0: none)."""
+        records = conv.records
+        if not records or self.tokenizer is None:
+            return 0
+        try:
+            before = history_ids(records, self.tokenizer, conv.thinking, conv.effort)
+            after = history_ids(records, self.tokenizer, on, effort)
+        except Exception:
+            return 0
+        same = common_prefix(before, after)
+        return len(after) - same if same < len(before) else 0
+
+    @staticmethod
+    def _reread_question(conv: Conversation, new: tuple[bool, str], reread: int) -> str:
+        speed = last_prefill_speed(conv.records)
+        eta = f", about {max(1, round(reread / speed)):,} s at the last prefill speed" if speed else ""
+        return (f"Thinking {thinking_label(*new)}: the model reads the conversation differently with this "
+                f"setting, so your next message first re-reads all {reread:,} tokens of it{eta} (progress "
+                "is shown). Change it?")
+
+    def _apply_thinking(self, on: bool, effort: str) -> None:
+        self.thinking, self.effort = on, effort
+        conv = self.conv
+        if conv is not None:
+            conv.thinking, conv.effort = on, effort
+            try:
+                self.store.set_settings(conv.session_id, {"thinking": on, "effort": effort})
+            except HistoryError as exc:
+                self.say(f"thinking {thinking_label(on, effort)} is used, but not stored with the session: {exc}",
+                         warning=True)
+        self.chat.status.set_thinking(on, effort)
+        self.say(f"Thinking {thinking_label(on, effort)} from the next answer (kept with this session)")
 
     def set_reasoning_display(self, mode: str) -> None:
         self.reasoning_display = mode
@@ -886,10 +1015,13 @@ class K3ChatApp(App[int]):
         yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
         yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
         yield SystemCommand("Help", "Every key (f1)", self.action_help)
-        yield SystemCommand("Thinking: off", "Answer without reasoning", partial(self.set_thinking, False))
+        current = " (current)"
+        yield SystemCommand("Thinking: off" + (current if not self.thinking else ""), "Answer without reasoning",
+                            partial(self.set_thinking, False))
         for effort in EFFORTS:
-            yield SystemCommand(f"Thinking: {effort}", f"Reason before answering, effort {effort}",
-                                partial(self.set_thinking, True, effort))
+            mark = current if self.thinking and self.effort == effort else ""
+            yield SystemCommand(f"Thinking: {effort}{mark}", f"Reason before answering, effort {effort} "
+                                "(kept with this session)", partial(self.set_thinking, True, effort))
         for mode in DISPLAY_MODES:
             yield SystemCommand(f"Reasoning display: {mode}", {
                 "expanded": "Keep reasoning blocks open",
@@ -904,10 +1036,12 @@ class K3ChatApp(App[int]):
 def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = False,
               engine_factory: EngineFactory | None = None, session: str | None = None,
               memory: str | None = None, threads: int | None = None, context: int | None = None,
-              store: HistoryStore | None = None) -> K3ChatApp:
+              store: HistoryStore | None = None, thinking_given: bool = False) -> K3ChatApp:
     """The app for ``model_dir`` (or the demo model). ``session`` is an id or a name: resumed if
     it exists, else the name of the session the first message creates. ``engine_factory``
-    replaces the way the model is opened (tests); the default plans ``memory`` and opens it."""
+    replaces the way the model is opened (tests); the default plans ``memory`` and opens it.
+    ``thinking_given``: the settings' thinking came from the command line, so it overrides
+    the one the resumed session has stored."""
     if model_dir is None and not demo:
         raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
     if demo:
@@ -926,7 +1060,8 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
             raise AppUsageError(f"--session: {exc}") from None
     return K3ChatApp(Path(model_dir) if model_dir is not None else None, settings=settings, demo=demo,
                      engine_factory=engine_factory, session=info,
-                     new_session_name=session if info is None else None, store=store)
+                     new_session_name=session if info is None else None, store=store,
+                     thinking_given=thinking_given)
 
 
 def _default_factory(model_dir: Path, settings: Settings, progress: Callable[[str], None], *,
