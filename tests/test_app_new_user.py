@@ -315,3 +315,123 @@ def test_thinking_from_the_command_line_overrides_the_resumed_session_and_says_s
 
     run(scenario)
     assert HistoryStore().load(info.id).settings == {"thinking": True, "effort": "max"}
+
+
+# --------------------------------------------------------------------------- item 2: engine state on every exit
+
+
+async def quit_during_a_turn(pilot: Any, how: str) -> None:
+    app = pilot.app
+    if how == "ctrl+c ctrl+c":  # quickly: the second one also aborts the step in flight
+        burst(app, "ctrl+c", "ctrl+c")
+    elif how == "ctrl+c, then ctrl+c":  # the turn stops, then the second one quits
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: not app.busy, "the turn to stop")
+        await pilot.press("ctrl+c")
+    elif how == "ctrl+q":
+        await pilot.press("ctrl+q")
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+    await until(pilot, lambda: not app.is_running, "the app to quit")
+
+
+def slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float) -> dict[str, bool]:
+    """Each decode step takes ``seconds`` (a real model's step), so a second ctrl+c arrives
+    while one is in flight and aborts it. Returns the switch (``["on"]``)."""
+    from k3engine.model import Session
+
+    feed = Session.feed
+    switch = {"on": True}
+
+    def slow(self: Session, ids: Any, **kw: Any) -> Any:
+        if len(ids) == 1 and switch["on"]:
+            time.sleep(seconds)
+        return feed(self, ids, **kw)
+
+    monkeypatch.setattr(Session, "feed", slow)
+    return switch
+
+
+@pytest.mark.parametrize("how", ["ctrl+c ctrl+c", "ctrl+c, then ctrl+c", "ctrl+q", "SIGTERM"])
+def test_every_way_of_quitting_saves_the_engine_state(how: str, home: Path, model: Any, tok: Tokenizer,
+                                                      tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from k3chat.conversation import state_path
+
+    # Sampled one character at a time, the reasoning re-encodes to other ids when it is stored,
+    # so the live state of the stopped turn does not line up with the history (as with real
+    # model text): what can be saved without computing is the turn's boundary snapshot.
+    chars = [i for ch in " hello world" for i in tok.encode_text(ch)]
+    assert tok.encode_text(tok.decode(chars)) != chars
+    script = Script(chars, filler=chars)
+    slow = slow_steps(monkeypatch, 0.1)
+    from k3chat.conversation import Conversation
+
+    aborts: list[int] = []
+    abort = Conversation.abort
+    monkeypatch.setattr(Conversation, "abort", lambda self: (aborts.append(1), abort(self))[1])
+    first = make_app(model, tok, tiny_dir, script, max_tokens=5000)
+    seen: dict[str, Any] = {}
+
+    async def interrupted() -> None:
+        async with first.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            assert signal.SIGTERM in first._signals  # else the signal would end pytest
+            first.chat.prompt.set_text("Work")
+            await pilot.press("enter")
+            await until(pilot, lambda: script.samples >= 4, "generation")
+            seen["sid"] = first.conv.session_id
+            await quit_during_a_turn(pilot, how)
+
+    run(interrupted)
+    sid = seen["sid"]
+    assert bool(aborts) == (how == "ctrl+c ctrl+c")  # the quick second ctrl+c aborted the step in flight
+    assert stored(sid)[-1]["interrupted"] is True  # the history was saved ...
+    path = state_path(sid)
+    assert path.exists(), first.exit_notes  # ... and the engine state too
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert first.exit_notes == []
+    assert any(f"--session {sid}" in line for line in first.goodbye())
+    second = make_app(model, tok, tiny_dir, Script(answer(tok, " ok", " Done.")), session=sid)
+
+    async def resumed() -> None:
+        async with second.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: second.conv is not None, "the session")
+            second.chat.prompt.set_text("Again")
+            await pilot.press("enter")
+            await until(pilot, lambda: second.turns_over == 1, "the turn")
+
+    slow["on"] = False
+    run(resumed)
+    assert HistoryStore().load(sid).records[-1]["tokens"]["reused"] > 0  # the next start reused it
+
+
+def test_sighup_saves_the_engine_state_too(home: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    import select
+    import subprocess
+
+    from test_app import HANGUP_SCRIPT
+
+    from k3chat.conversation import state_path
+
+    script = tmp_path / "hangup.py"
+    # One character at a time: the stored text re-encodes to other ids, so the stopped turn's
+    # live state does not line up with the history; only the boundary snapshot can be saved.
+    one_by_one = '[i for ch in " hello world" for i in tok.encode_text(ch)]'
+    script.write_text(HANGUP_SCRIPT.replace('ids = tok.encode_text(" hang on")', f"ids = {one_by_one}"))
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "K3CHAT_HOME": str(home)})
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline() if ready else ""
+        assert line.strip() == "GENERATING", line + proc.stdout.read()
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=30) == 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (info,) = HistoryStore().list()
+    assert stored(info.id)[-1]["interrupted"] is True
+    assert state_path(info.id).exists()  # the next start reuses the conversation

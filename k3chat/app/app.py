@@ -8,7 +8,9 @@ thread never blocks on a worker (it only ``await``s one). The Conversation is us
 thread at a time: the worker while a turn runs, the UI thread only between turns.
 
 Quitting (ctrl+q, a second ctrl+c, SIGTERM) saves: it stops the turn, waits for the worker to
-store the partial answer, then exits. Asking again while that wait is on also stops the step
+store the partial answer, saves the engine state (Conversation.save_state_now: no compute, the
+live state or the turn's boundary snapshot; or the reason it could not, printed after the app
+has gone), then exits. Asking again while that wait is on also stops the step
 in flight (Conversation.abort); a third time quits at once (the message stays in the history,
 unanswered, and ctrl+r answers it next time). SIGHUP (the terminal is gone) saves the same
 way without drawing anything, and exits 5.
@@ -21,6 +23,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,7 +40,7 @@ from textual.widgets import Input, TextArea
 
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
-from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo
+from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
@@ -183,7 +186,10 @@ class K3ChatApp(App[int]):
         self.ui_errors: list[str] = []  # exceptions raised by UI callbacks of a worker (tests check it)
         self._turn_worker: Any = None
         self._quitting = False
+        self._saving_state = False
         self._closed = False
+        self.exit_notes: list[str] = []  # printed by the command line once the screen is gone
+        self.resume_command = "k3chat chat"  # how this app was started, less --session (cli sets it)
         self._stop = StopPolicy(exit_now=self._force_exit)  # the running turn's (runtime's policy)
         self._armed_at: float | None = None
         self._return_code = EXIT_OK
@@ -452,12 +458,27 @@ class K3ChatApp(App[int]):
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
 
     def _close_conversation(self) -> None:
+        """Leave the session (a switch, a new session, the end): its engine state is saved
+        first, unless quitting already did that (off the UI thread)."""
         if self.conv is not None:
+            if not self._quitting and not self.busy:
+                note = self._save_state_quietly(self.conv)
+                if note:
+                    self.say(note, warning=True)
             try:
                 self.conv.close()
             except Exception:
                 pass
             self.conv = None
+
+    @staticmethod
+    def _save_state_quietly(conv: Conversation) -> str | None:
+        """conv.save_state_now, never raising: None, or what to tell the user."""
+        try:
+            return conv.save_state_now()
+        except Exception as exc:
+            log.exception("engine state not saved")
+            return f"engine state not saved ({type(exc).__name__}: {exc}); the next start re-reads the conversation"
 
     async def start_new_session(self) -> None:
         self._close_conversation()
@@ -478,8 +499,8 @@ class K3ChatApp(App[int]):
         if self.busy:
             self.say("K3 is answering: stop it (ctrl+c) or wait before switching sessions", warning=True)
             return
-        if not self.ready:
-            self.say("the model is still opening", warning=True)
+        if not self.ready or self._quitting:
+            self.say("the model is still opening" if not self.ready else "k3chat is quitting", warning=True)
             return
         self._close_conversation()
         self.pending_name = None
@@ -735,9 +756,14 @@ class K3ChatApp(App[int]):
 
     async def _save_and_quit(self, code: int | None) -> None:
         if self._quitting:
-            # Asked again while the turn finishes: stop the step in flight, then quit at once.
+            # Asked again while the turn finishes: stop the step in flight, then quit at once;
+            # while the engine state is written: quit now (the write is atomic, nothing breaks).
             if self.busy:
                 self._stop_turn()
+            elif self._saving_state:
+                self.exit_notes.append("engine state not saved (you quit while it was written); "
+                                       "the next start re-reads the conversation")
+                self._force_exit()
             return
         self._quitting = True
         if self.busy and self._turn_worker is not None:
@@ -749,9 +775,26 @@ class K3ChatApp(App[int]):
                 await self._turn_worker.wait()
             except Exception:
                 pass
+        await self._save_engine_state()
         self._shutdown_engine()
         final = self._return_code if code is None else code
         self.exit(final, return_code=final)
+
+    async def _save_engine_state(self) -> None:
+        """Save the engine state before quitting, on a thread (it can be large); what could not
+        be saved is said after the app has gone."""
+        conv = self.conv
+        if conv is None or self.busy:
+            return
+        self._saving_state = True
+        self.chat.show_progress("Saving the engine state, so the next start need not re-read the conversation "
+                                "(press again to quit without it)")
+        try:
+            note = await asyncio.to_thread(self._save_state_quietly, conv)
+        finally:
+            self._saving_state = False
+        if note:
+            self.exit_notes.append(note)
 
     def _force_exit(self) -> None:
         """Quit now, without waiting for the step in flight (its partial answer is lost; the
@@ -760,8 +803,22 @@ class K3ChatApp(App[int]):
             driver = self._driver
             if driver is not None and not self.is_headless:
                 driver.stop_application_mode()
+            for line in self.goodbye():
+                sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
         finally:
             os._exit(EXIT_INTERRUPTED)
+
+    def goodbye(self) -> list[str]:
+        """What to print once the screen is gone: notes (engine state), and how to resume."""
+        lines = [f"k3chat: {note}" for note in self.exit_notes]
+        session = self.session
+        if session is not None:
+            lines.append(f"k3chat: session {display_name(session.name)!r} is saved; resume it with: "
+                         f"{self.resume_command} --session {session.id}")
+        return lines
 
     def _shutdown_engine(self) -> None:
         if self.busy:
@@ -820,7 +877,8 @@ class K3ChatApp(App[int]):
             self._stop_turn()
 
         def finish() -> None:
-            self._job_done.wait(HANGUP_WAIT)
+            if self._job_done.wait(HANGUP_WAIT) and self.conv is not None:
+                self._save_state_quietly(self.conv)  # nobody to tell if it fails: the terminal is gone
             os._exit(EXIT_INTERRUPTED)
 
         threading.Thread(target=finish, name="k3chat-hangup", daemon=True).start()
