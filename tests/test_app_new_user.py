@@ -435,3 +435,59 @@ def test_sighup_saves_the_engine_state_too(home: Path, tiny_dir: Path, tmp_path:
     (info,) = HistoryStore().list()
     assert stored(info.id)[-1]["interrupted"] is True
     assert state_path(info.id).exists()  # the next start reuses the conversation
+
+
+# --------------------------------------------------------------------------- items 11, 12: the command line
+
+
+def test_chat_without_a_terminal_is_refused_at_once(home: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "k3chat", "chat", "--demo"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "K3CHAT_HOME": str(home)})
+    assert proc.returncode == 2, proc.stderr
+    assert "needs a terminal" in proc.stderr and "standard input" in proc.stderr
+    assert "k3chat run --prompt" in proc.stderr  # what to do instead
+    assert time.monotonic() - start < 60 and HistoryStore().list() == []
+
+
+def test_a_mistyped_model_directory_says_it_does_not_exist(home: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    (tmp_path / "Kimi-K3").mkdir()
+    for argv in (["run", str(tmp_path / "Kimi-K2"), "--prompt", "hi"], ["chat", str(tmp_path / "Kimi-K2")],
+                 ["run", str(tmp_path / "Kimi-K2"), "--ids", "1,2"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"the model directory {tmp_path / 'Kimi-K2'} does not exist" in err, err
+        assert f"did you mean {tmp_path / 'Kimi-K3'}?" in err
+        assert "fix these fields" not in err and "config refused" not in err
+    assert main(["run", str(tmp_path / "Kimi-K3"), "--prompt", "hi"]) == 2
+    assert "has no config.json, so it is not a model directory" in capsys.readouterr().err
+
+
+def test_the_path_of_config_json_is_taken_as_its_directory(home: Path, tiny_dir: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    config = tiny_dir / "config.json"
+    assert main(["run", str(config), "--ids", "1,2", "--gen", "1", "--threads", "1"]) == 0
+    assert f"using its directory {tiny_dir}" in capsys.readouterr().err
+    assert main(["chat", str(config)]) == 2  # accepted; refused here only for want of a terminal
+    err = capsys.readouterr().err
+    assert f"using its directory {tiny_dir}" in err and "needs a terminal" in err
+
+
+def test_an_unknown_option_is_named(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    assert main(["run", "--demo", "--promt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option --promt (did you mean --prompt?)" in err and "is required" not in err
+    assert err.startswith("usage: k3chat run")
+    assert main(["sessions", "show", "--jsn", "x"]) == 2
+    assert "k3chat sessions show: unknown option --jsn" in capsys.readouterr().err
+    assert main(["sessions", "list", "--json"]) == 0  # a known option of a nested command
