@@ -421,7 +421,7 @@ class K3ChatApp(App[int]):
             return None
         conv.thinking, conv.effort = launch
         HistoryStore(self.store.root).set_settings(conv.session_id, {"thinking": launch[0], "effort": launch[1]})
-        return (f"Thinking: {thinking_label(*launch)} from the command line (this session had "
+        return (f"{thinking_label(*launch).capitalize()} from the command line (this session had "
                 f"{thinking_label(*own)}); the conversation is re-read with it at the next message.")
 
     async def _session_failed(self, message: str) -> None:
@@ -948,7 +948,7 @@ class K3ChatApp(App[int]):
             return
         new = (on, effort or self.effort)
         if new == (self.thinking, self.effort):
-            self.say(f"Thinking is already {thinking_label(*new)}")
+            self.say(f"This session already uses {thinking_label(*new)}")
             return
         conv = self.conv
         if conv is not None:
@@ -995,9 +995,9 @@ class K3ChatApp(App[int]):
     def _reread_question(conv: Conversation, new: tuple[bool, str], reread: int) -> str:
         speed = last_prefill_speed(conv.records)
         eta = f", about {max(1, round(reread / speed)):,} s at the last prefill speed" if speed else ""
-        return (f"Thinking {thinking_label(*new)}: the model reads the conversation differently with this "
+        return (f"Switch to {thinking_label(*new)}? The model reads the conversation differently with this "
                 f"setting, so your next message first re-reads all {reread:,} tokens of it{eta} (progress "
-                "is shown). Change it?")
+                "is shown).  y: switch, n: keep it as it is")
 
     def _apply_thinking(self, on: bool, effort: str) -> None:
         self.thinking, self.effort = on, effort
@@ -1007,10 +1007,10 @@ class K3ChatApp(App[int]):
             try:
                 self.store.set_settings(conv.session_id, {"thinking": on, "effort": effort})
             except HistoryError as exc:
-                self.say(f"thinking {thinking_label(on, effort)} is used, but not stored with the session: {exc}",
+                self.say(f"{thinking_label(on, effort).capitalize()} is used, but not stored with the session: {exc}",
                          warning=True)
         self.chat.status.set_thinking(on, effort)
-        self.say(f"Thinking {thinking_label(on, effort)} from the next answer (kept with this session)")
+        self.say(f"{thinking_label(on, effort).capitalize()} from the next answer (kept with this session)")
 
     def set_reasoning_display(self, mode: str) -> None:
         self.reasoning_display = mode

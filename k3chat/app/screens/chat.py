@@ -80,7 +80,7 @@ class ChatScreen(Screen[None]):
         yield Static("", id="notice", markup=False)
         with Horizontal(id="prompt-row"):
             yield Static("\u276f", id="prompt-mark", markup=False)
-            yield PromptInput(id="prompt", placeholder="Message K3 (enter sends, shift+enter or ctrl+j: new line)")
+            yield PromptInput(id="prompt", placeholder="Message K3 (enter sends; alt+enter or ctrl+j: new line)")
         yield StatusBar(id="status")
         yield Footer()
 
