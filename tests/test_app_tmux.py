@@ -95,7 +95,8 @@ def answers(home: Path) -> int:
 
 
 def test_chat_in_tmux_keeps_every_key_saves_and_resumes(tmp_path: Path) -> None:
-    term = Terminal(_tmux_or_skip(), tmp_path / "tmux.sock")
+    tmux = _tmux_or_skip()
+    term = first = Terminal(tmux, tmp_path / "tmux.sock")
     home = tmp_path / "home"
     env = {"K3CHAT_HOME": str(home), "TERM": "tmux-256color"}
     chat = f"{k3chat_command()} chat --threads 2"
@@ -132,7 +133,8 @@ def test_chat_in_tmux_keeps_every_key_saves_and_resumes(tmp_path: Path) -> None:
         assert f"--session {sid}" in screen.replace("\n", "")  # how to resume, printed after quitting
 
         # The next start: the saved engine state is reused, only the new message is read.
-        term.run("kill-server")
+        first.close()
+        term = Terminal(tmux, tmp_path / "tmux2.sock")  # a new server: a dying one refuses new sessions
         term.start(f"sh -c '{chat} --session {sid}; echo EXIT=$?; sleep 120'", env)
         wait(lambda: "│ ready" in term.screen() and QUESTION in term.screen(), "the session to open", term)
         term.keys("What is 2 + 3?", "Enter")
@@ -144,4 +146,5 @@ def test_chat_in_tmux_keeps_every_key_saves_and_resumes(tmp_path: Path) -> None:
         term.keys("C-q")
         wait(lambda: "EXIT=0" in term.screen(), "k3chat to quit", term, 60)
     finally:
+        first.close()
         term.close()
