@@ -27,6 +27,7 @@ prints one `k3chat: ...` line saying what happened and whether anything was save
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -344,7 +345,12 @@ def _check_not_being_answered(store: HistoryStore, info: SessionInfo) -> None:
 def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     _check_args(args)
     settings = _run_settings(args)
-    model_dir = Path(settings.model)
+    from .runtime import model_directory
+    model_dir, note = model_directory(settings.model)  # before anything reads the checkpoint
+    if note:
+        _err(note)
+    if model_dir != Path(settings.model):
+        settings = dataclasses.replace(settings, model=model_dir)
     context = _context(args, model_dir)
     memory = memory_option(args.memory, settings.memory)
     from . import paths

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
@@ -173,6 +174,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.model_dir = str(model_dir)
     if args.gen is None:
         args.gen = 16
+    from .runtime import Failure, model_directory, say
+    try:
+        model_dir, note = model_directory(args.model_dir)
+    except Failure as exc:
+        return usage_error(exc.message)
+    if note:
+        say(note)
+    args.model_dir = str(model_dir)
     from .run_ids import run_ids
     return run_ids(args)
 
@@ -204,8 +213,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         memory = memory_option(args.memory, settings.memory)
     except Failure as exc:
         return usage_error(exc.message)
+    configured_model = settings.model
     if settings.model is None:
         args.demo = True  # nothing configured: the built-in demo model
+    elif not args.demo:
+        from .runtime import model_directory, say
+        try:
+            model_dir, note = model_directory(settings.model)  # before the screen is taken over
+        except Failure as exc:
+            return usage_error(exc.message)
+        if note:
+            say(note)  # stays on the terminal below the app's screen
+        settings = replace(settings, model=model_dir)
     from .app import AppUsageError, build_app
     from .history import HistoryError
     from .paths import UnsafePathError
@@ -213,7 +232,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
-                        session=args.session, memory=memory, threads=args.threads, context=args.context)
+                        session=args.session, memory=memory, threads=args.threads, context=args.context,
+                        thinking_given=bool(args.no_think or args.thinking_effort))
     except AppUsageError as exc:
         return usage_error(str(exc))
     except VaultError as exc:  # the passphrase is asked here, before the screen starts
@@ -225,11 +245,50 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except (HistoryError, UnsafePathError, OSError) as exc:
         print(f"k3chat: cannot open the history: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    problem = terminal_problem()
+    if problem is not None:
+        return usage_error(problem)
+    app.resume_command = _resume_command(args, settings.model, configured_model)
     code = app.run()
     if app.load_error:
         from .app.text import neutralise
         print(f"k3chat: cannot open the model: {neutralise(app.load_error)}", file=sys.stderr)
+    from .display import for_terminal
+    for line in app.goodbye():  # how to resume, and what could not be saved
+        print(for_terminal(line), file=sys.stderr)
     return int(code if code is not None else (app.return_code or EXIT_OK))
+
+
+def terminal_problem() -> str | None:
+    """Why the full-screen app cannot run here, or None. Textual reads keys from standard
+    input and draws on standard error: without a terminal on both it would start anyway and
+    spin, waiting for keys that never come."""
+    missing = [name for name, stream in (("standard input", sys.stdin), ("standard error", sys.stderr))
+               if stream is None or not _isatty(stream)]
+    if not missing:
+        return None
+    return (f"the chat app is full-screen and needs a terminal, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not one (redirected, piped or closed). Run it in a "
+            "terminal; for one answer from a script use: k3chat run --prompt TEXT")
+
+
+def _isatty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _resume_command(args: argparse.Namespace, model: object, configured: object) -> str:
+    """`k3chat chat ...` as it must be typed to reach the same model again (less --session)."""
+    import shlex
+
+    parts = ["k3chat", "chat"]
+    if args.demo and configured is not None:
+        parts.append("--demo")
+    elif args.model_dir is not None and model is not None:
+        parts.append(shlex.quote(str(model)))
+    return " ".join(parts)
 
 
 COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat}
@@ -255,6 +314,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def unknown_option(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.ArgumentParser, str] | None:
+    """The first option the (sub)command does not know, named with the closest one it does,
+    and that command's parser (for its usage line). argparse checks required options first,
+    so `run --promt hi` would only hear that --prompt is missing. Unambiguous abbreviations
+    (`--prom`) are left to argparse, which accepts them."""
+    import difflib
+
+    words, rest = ["k3chat"], list(argv)
+    while True:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        command = next((t for t in rest if not t.startswith("-")), None)
+        if not subparsers or command is None or command not in subparsers[0].choices:
+            break
+        parser = subparsers[0].choices[command]
+        words.append(command)
+        rest = rest[rest.index(command) + 1:]
+    if len(words) == 1:
+        return None
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    for token in rest:
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        if name in parser._option_string_actions or any(o.startswith(name) for o in known):
+            continue  # known, or an abbreviation argparse resolves (or calls ambiguous itself)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)  # a likely typo, not any option
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        where = " ".join(words)
+        return parser, f"{where}: unknown option {name}{hint}; see {where} --help"
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     import importlib
 
@@ -263,6 +356,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if args_list and args_list[0] in _passthrough():
         module, fn = _passthrough()[args_list[0]].split(":")
         return int(getattr(importlib.import_module(module), fn)(args_list[1:]))
+    unknown = unknown_option(parser, args_list)
+    if unknown is not None:
+        command_parser, problem = unknown
+        command_parser.print_usage(sys.stderr)
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help

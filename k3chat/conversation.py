@@ -344,10 +344,12 @@ class Conversation:
         loaded = store.load(session_id)
         self._records: list[dict[str, Any]] = list(loaded.records)
         self.load_problems: list[str] = list(loaded.problems)
+        self.session_settings: dict[str, Any] = dict(getattr(loaded, "settings", {}))  # as stored, unchecked
         self._session: EngineSession | None = None
         self._fed: list[int] | None = None  # None: unknown (tainted)
         self._snaps: list[_Snap] = []
         self._state_file_tried = not state_files
+        self._saved_ids: list[int] | None = None  # what the state file on disk holds, when known
         self._cancel = threading.Event()
         self._aborted = threading.Event()
         self._engine_cancel: Any = None
@@ -478,6 +480,39 @@ class Conversation:
 
         return self._turn(records, commit, on_event)
 
+    def save_state_now(self) -> str | None:
+        """Save the engine state for the stored history without computing anything, for a
+        front-end that is quitting or leaving the session whatever the way (a stopped or
+        aborted turn skips the state file, see _checkpoint): the live state if it lines up
+        with the history, else the longest turn-boundary snapshot that does, so the next
+        start re-reads only what came after it. Not cancellable (a third Ctrl-C exits).
+
+        Returns None when a state for the history is on disk (written now, or already, or
+        nothing was computed in this run), else why not, for the user."""
+        from k3engine.model import EngineError
+
+        if not self.state_files or self._session is None:
+            return None
+        rendered = self._render_ids(self._records, False)
+        live = self._live_usable() and bool(self._fed) and _is_prefix(self._fed or [], rendered)
+        snaps = [s for s in self._snaps if _is_prefix(s.ids, rendered)]
+        best = max(snaps, key=lambda s: len(s.ids), default=None)
+        length = len(self._fed or []) if live else (len(best.ids) if best is not None else 0)
+        saved = self._saved_ids
+        if saved is not None and len(saved) >= length and _is_prefix(saved, rendered):
+            return None
+        again = f"the next start re-reads the conversation ({len(rendered):,} tokens)"
+        if length == 0:
+            return f"engine state not saved: none of this conversation is held in a reusable state; {again}"
+        try:
+            if not live and best is not None:
+                self._live.restore(best.snap_id)
+                self._fed = list(best.ids)
+            self._write_state()
+        except (OSError, EngineError, ValueError, statefile.SaveCancelled) as exc:
+            return f"engine state not saved ({exc}); {again}"
+        return None
+
     def close(self) -> None:
         if self._session is not None:
             self._session.close()
@@ -546,6 +581,7 @@ class Conversation:
                         raise ValueError(f"the engine holds {self._live.length} positions after import, "
                                          f"the file {len(ids)}")
                     self._fed = list(ids)
+                    self._saved_ids = list(ids)
                     return len(ids), "state_file", None
                 except Exception as exc:
                     self._fed = None  # whatever import did, the live state is gone
@@ -883,19 +919,24 @@ class Conversation:
         from k3engine.model import EngineError
 
         try:
-            path = state_path(self.session_id)
-            paths.ensure_private_dir(paths.state_dir())
-            payload = self._live.export_state()  # the one extra copy, dropped right after
-            try:
-                statefile.save_state(path, payload, fingerprint=self.fingerprint, n_tokens=len(self._fed or []),
-                                     cancel=self._aborted.is_set, vault=self.store.vault)
-            finally:
-                del payload
+            self._write_state(cancel=self._aborted.is_set)
             result.state_saved = True
         except statefile.SaveCancelled:
             pass  # abort(): the user wants out; the next run prefills
         except (OSError, EngineError, ValueError) as exc:
             emit(Notice("state", f"engine state not saved ({exc}); the next run prefills the history"))
+
+    def _write_state(self, cancel: Callable[[], bool] | None = None) -> None:
+        """The live state to the session's state file (raises what statefile and the engine raise)."""
+        path = state_path(self.session_id)
+        paths.ensure_private_dir(paths.state_dir())
+        payload = self._live.export_state()  # the one extra copy, dropped right after
+        try:
+            statefile.save_state(path, payload, fingerprint=self.fingerprint, n_tokens=len(self._fed or []),
+                                 cancel=cancel, vault=self.store.vault)
+        finally:
+            del payload
+        self._saved_ids = list(self._fed or [])
 
     # ------------------------------------------------------------------ stats
 

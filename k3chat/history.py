@@ -3,7 +3,9 @@
 Layout under the store root (default ``<data dir>/sessions``, 0700):
 
 - ``<id>.jsonl`` (0600): line 1 is a header ``{"k3chat": "session", ...}``; then one record
-  per line (spec k3-chat.md 5.1 plus metadata), and ``{"k3chat": "rename", ...}`` lines.
+  per line (spec k3-chat.md 5.1 plus metadata), and ``{"k3chat": "rename", ...}`` lines, and
+  ``{"k3chat": "settings", "settings": {...}}`` lines (the session's own settings, such as
+  its thinking effort; later lines override earlier keys).
   The file is only ever appended to, one fsynced line at a time, so a crash can cost at most
   the line being written, and renames do not rewrite the file.
 - ``sessions.json`` (0600): the index, a cache of what the JSONL files say. Written atomically.
@@ -133,6 +135,7 @@ class LoadedSession:
     problems: list[str]  # one line per damaged or suspicious line, with its line number
     info: SessionInfo
     skipped: list[str] = field(default_factory=list)  # the problems that cost a line (in problems too)
+    settings: dict[str, Any] = field(default_factory=dict)  # from "settings" lines, merged in order
 
 
 # --------------------------------------------------------------------------- validation
@@ -303,6 +306,7 @@ class _Parsed:
     seqs: list[int] = field(default_factory=list)  # each kept record's sequence number
     last_seq: int = 0  # the highest sequence number any record line has had
     skipped: int = 0  # damaged lines so far (a count-based truncate after one is unreliable)
+    settings: dict[str, Any] = field(default_factory=dict)
     skipped_problems: list[str] = field(default_factory=list)  # the problems that cost a line
 
 
@@ -379,6 +383,8 @@ def _parse_meta(obj: dict[str, Any], number: int, parsed: _Parsed) -> None:
         parsed.name = _meta_name(obj, number, parsed, "a rename") or parsed.name
     elif kind == "truncate":
         _parse_truncate(obj, number, parsed)
+    elif kind == "settings" and isinstance(obj.get("settings"), dict):
+        parsed.settings.update(obj["settings"])  # the reader checks each value it uses
     else:
         _skip(parsed, f"line {number}: unexpected store line {for_terminal(repr(kind))}, skipped")
 
@@ -626,7 +632,7 @@ class HistoryStore:
                            len(parsed.records), parsed.model)
         if parsed.created is None and not any(p.startswith("line 1:") for p in parsed.problems):
             parsed.problems.append("line 1: session header missing; name and creation time guessed")
-        return LoadedSession(parsed.records, parsed.problems, info, parsed.skipped_problems)
+        return LoadedSession(parsed.records, parsed.problems, info, parsed.skipped_problems, parsed.settings)
 
     def rename(self, session_id: str, name: str) -> SessionInfo:
         _check_id(session_id)
@@ -635,6 +641,11 @@ class HistoryStore:
         meta = {META_KEY: "rename", "name": name, "time": time.time()}
         self._append_line(session_id, meta)
         return self.info(session_id)
+
+    def set_settings(self, session_id: str, settings: Mapping[str, Any]) -> None:
+        """Store settings of the session (appended; load() merges them in order)."""
+        _check_id(session_id)
+        self._append_line(session_id, {META_KEY: "settings", "settings": dict(settings), "time": time.time()})
 
     def truncate(self, session_id: str, n_records: int) -> LoadedSession:
         """Keep only the first ``n_records`` records (regenerate, edit the last message).
@@ -1196,6 +1207,8 @@ def _advance_entry(entry: dict[str, Any], size: int, obj: Mapping[str, Any]) -> 
         return
     if obj.get(META_KEY) == "truncate":
         entry["n_messages"] = min(entry["n_messages"], obj["records"])
+        return
+    if obj.get(META_KEY) == "settings":
         return
     entry["n_messages"] += 1
     if isinstance(obj.get("model"), str):

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from .tokenizer import Tokenizer
 
-__all__ = ["Failure", "OpenedModel", "open_model", "memory_option", "StopPolicy", "SignalStops",
+__all__ = ["Failure", "OpenedModel", "open_model", "model_directory", "memory_option", "StopPolicy", "SignalStops",
            "say", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "EXIT_EXPERT_IO", "EXIT_INTERRUPTED"]
 
 MAX_THREADS = 64  # the engine's pool limit
@@ -106,6 +106,45 @@ class OpenedModel:
         self.model.close()
 
 
+def model_directory(path: str | Path) -> tuple[Path, str | None]:
+    """The model directory the user meant, and a note when it is not exactly what was typed
+    (the path of config.json itself names its directory). A path that does not exist, a
+    file, or a directory without config.json is a Failure (exit 2) that says which, before
+    anything reads the checkpoint."""
+    given = Path(path).expanduser()
+    if given.name == "config.json" and given.is_file():
+        return given.parent, f"{given} is the model's config file; using its directory {given.parent}"
+    if not given.exists():
+        raise Failure(f"the model directory {given} does not exist{_nearby(given)}; {_GIVE_MODEL_DIR}", EXIT_USAGE)
+    if not given.is_dir():
+        raise Failure(f"{given} is a file, not a model directory; {_GIVE_MODEL_DIR}", EXIT_USAGE)
+    if not (given / "config.json").exists():
+        raise Failure(f"{given} has no config.json, so it is not a model directory; {_GIVE_MODEL_DIR}", EXIT_USAGE)
+    return given, None
+
+
+_GIVE_MODEL_DIR = ("give the directory that holds the checkpoint (config.json, the model-*.safetensors shards "
+                   "and their index)")
+
+
+def _nearby(path: Path) -> str:
+    """A hint for a mistyped path: a close name beside it, or the first missing parent."""
+    import difflib
+
+    parent = path.parent
+    if not parent.is_dir():
+        missing = parent
+        while not missing.parent.exists() and missing.parent != missing:
+            missing = missing.parent
+        return f" (neither does {missing})"
+    try:
+        names = [entry.name for entry in parent.iterdir() if entry.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1)
+    return f" (did you mean {parent / close[0]}?)" if close else ""
+
+
 def thread_count(threads: int | None) -> int:
     return min(threads or os.cpu_count() or 1, MAX_THREADS)
 
@@ -117,7 +156,7 @@ def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int
     ``tokenizer`` is False) its tokenizer; every failure is a Failure with its exit code."""
     from k3engine.budgeted import open_budgeted
 
-    model_dir = Path(model_dir)
+    model_dir, _ = model_directory(model_dir)  # front-ends say the note themselves
     n_threads = thread_count(threads)
     if progress is not None:
         progress(f"Planning memory ({memory}) and opening {model_dir}")

@@ -8,7 +8,9 @@ thread never blocks on a worker (it only ``await``s one). The Conversation is us
 thread at a time: the worker while a turn runs, the UI thread only between turns.
 
 Quitting (ctrl+q, a second ctrl+c, SIGTERM) saves: it stops the turn, waits for the worker to
-store the partial answer, then exits. Asking again while that wait is on also stops the step
+store the partial answer, saves the engine state (Conversation.save_state_now: no compute, the
+live state or the turn's boundary snapshot; or the reason it could not, printed after the app
+has gone), then exits. Asking again while that wait is on also stops the step
 in flight (Conversation.abort); a third time quits at once (the message stays in the history,
 unanswered, and ctrl+r answers it next time). SIGHUP (the terminal is gone) saves the same
 way without drawing anything, and exits 5.
@@ -21,9 +23,10 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -37,7 +40,7 @@ from textual.widgets import Input, TextArea
 
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
-from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, open_store
+from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
@@ -46,13 +49,15 @@ from k3chat.settings import Settings
 
 from .engine import Engine, EngineFactory, open_engine, plan_summary
 from .screens.chat import ChatScreen
-from .screens.dialogs import AskScreen
+from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
 from .screens.sessions import SessionsChanged, SessionsScreen, export_format
 from .screens.viewer import ReasoningViewer
 from .text import one_line
-from .theming import THEMES, resolve_theme, stylesheet
+from .theming import THEMES, remember_theme, remembered_theme, resolve_theme, stylesheet
+from .widgets.prompt import teach_alt_enter
 from .widgets.reasoning import DISPLAY_MODES, ReasoningBlock
+from .widgets.status import thinking_label
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,47 @@ def _merged(events: list[Any]) -> list[tuple[Any, int]]:
         else:
             out.append((event, 1))
     return out
+
+
+def stored_thinking(settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None] | None:
+    """A session's own thinking setting: its last "settings" line, else what its last answer
+    used (each answer records it); None when it has neither. The effort is None when the
+    session answers without thinking and never said which effort."""
+    on, effort = settings.get("thinking"), settings.get("effort")
+    if isinstance(on, bool):
+        return on, effort if effort in EFFORTS else None
+    for record in reversed(records):
+        if record.get("role") == "assistant" and isinstance(record.get("thinking"), bool):
+            effort = record.get("effort")
+            return record["thinking"], effort if effort in EFFORTS else None
+    return None
+
+
+def history_ids(records: Sequence[Mapping[str, Any]], tokenizer: Any, thinking: bool, effort: str | None) -> list[int]:
+    """The ids the model holds for ``records`` under a thinking setting (the effort is part of
+    the rendering, at its very start)."""
+    from k3chat.template import encode, render
+
+    segments = render(records, thinking=thinking, effort=effort if thinking else None, add_generation_prompt=False)
+    return encode(segments, tokenizer)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def last_prefill_speed(records: Sequence[Mapping[str, Any]]) -> float | None:
+    for record in reversed(records):
+        speed = record.get("speed")
+        value = speed.get("prefill_tokens_per_second") if isinstance(speed, dict) else None
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return None
 
 
 class AppUsageError(Exception):
@@ -112,7 +158,9 @@ class K3ChatApp(App[int]):
 
     def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
                  engine_factory: EngineFactory, session: SessionInfo | None = None,
-                 new_session_name: str | None = None, store: HistoryStore | None = None) -> None:
+                 new_session_name: str | None = None, store: HistoryStore | None = None,
+                 thinking_given: bool = False) -> None:
+        teach_alt_enter()
         super().__init__()
         self.settings = settings
         self.model_dir = model_dir
@@ -123,8 +171,11 @@ class K3ChatApp(App[int]):
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
         self.markdown = True
-        self.thinking = settings.thinking
+        self.thinking = settings.thinking  # this session's (status bar, palette); kept in its history
         self.effort = settings.effort
+        # A session starts with the launch settings; one given on the command line also
+        # overrides what the session resumed at launch had stored.
+        self._thinking_given = thinking_given
         self.engine: Engine | None = None
         self.conv: Conversation | None = None
         self.ready = False
@@ -135,7 +186,10 @@ class K3ChatApp(App[int]):
         self.ui_errors: list[str] = []  # exceptions raised by UI callbacks of a worker (tests check it)
         self._turn_worker: Any = None
         self._quitting = False
+        self._saving_state = False
         self._closed = False
+        self.exit_notes: list[str] = []  # printed by the command line once the screen is gone
+        self.resume_command = "k3chat chat"  # how this app was started, less --session (cli sets it)
         self._stop = StopPolicy(exit_now=self._force_exit)  # the running turn's (runtime's policy)
         self._armed_at: float | None = None
         self._return_code = EXIT_OK
@@ -148,6 +202,7 @@ class K3ChatApp(App[int]):
         self._job_done = threading.Event()  # no turn job runs (set), one runs (clear)
         self._job_done.set()
         self._chat: ChatScreen
+        self._theme_kept = ""  # the theme in use that needs no saving
 
     # ------------------------------------------------------------------ setup
 
@@ -171,12 +226,27 @@ class K3ChatApp(App[int]):
         for theme in THEMES:
             self.register_theme(theme)
         name, warning = resolve_theme(self.settings.theme, self.available_themes)
-        self.theme = name
+        remembered = remembered_theme(self.settings.theme)
+        if remembered in self.available_themes:
+            name, warning = remembered, None
+        self.theme = self._theme_kept = name
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
         if warning:
             self.say(warning, warning=True)
         self._install_signals()
         if self.settings.keys:  # [keys] in config.toml: binding id = key(s), e.g. quit = "ctrl+x"
             self.set_keymap(dict(self.settings.keys))
+
+    def _remember_theme(self, theme: Any) -> None:
+        """A theme chosen in the palette (Textual's "Change theme") is kept for the next start."""
+        if theme.name == self._theme_kept:
+            return
+        try:
+            remember_theme(theme.name, self.settings.theme)
+        except OSError as exc:
+            self.say(f"theme {theme.name} not remembered for the next start: {exc}", warning=True)
+            return
+        self._theme_kept = theme.name
 
     def chat_ready(self) -> None:
         """The chat screen is composed: show what happens and start opening the model."""
@@ -284,6 +354,7 @@ class K3ChatApp(App[int]):
         chat = self.chat
         chat.hide_progress()
         chat.status.set_model(engine.name, plan_summary(engine))
+        chat.status.set_thinking(self.thinking, self.effort)
         chat.status.set_phase("ready")
         chat.set_title(self.session.name if self.session else self.pending_name, engine.name)
         if self.demo:
@@ -324,14 +395,35 @@ class K3ChatApp(App[int]):
             return None
 
     def _open_session_job(self, session_id: str) -> None:
-        """Thread: load a session's conversation (history, prompt size), then show it."""
+        """Thread: load a session's conversation (history, its thinking setting, prompt size),
+        then show it."""
         try:
             conv = self._new_conversation(session_id)
+            note = self._adopt_session_thinking(conv)
             estimate = self._estimate(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, estimate)
+        self._ui(self._session_loaded, conv, estimate, note)
+
+    def _adopt_session_thinking(self, conv: Conversation) -> str | None:
+        """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
+        engine state, match what the history was read with). Returns a note for the user when
+        the command line overrides it."""
+        launch = (self.settings.thinking, self.settings.effort)
+        stored = stored_thinking(conv.session_settings, conv.records)
+        given, self._thinking_given = self._thinking_given, False  # only for the session resumed at launch
+        if stored is None:
+            conv.thinking, conv.effort = launch
+            return None
+        own = (stored[0], stored[1] or launch[1])
+        if not given or own == launch:
+            conv.thinking, conv.effort = own
+            return None
+        conv.thinking, conv.effort = launch
+        HistoryStore(self.store.root).set_settings(conv.session_id, {"thinking": launch[0], "effort": launch[1]})
+        return (f"{thinking_label(*launch).capitalize()} from the command line (this session had "
+                f"{thinking_label(*own)}); the conversation is re-read with it at the next message.")
 
     async def _session_failed(self, message: str) -> None:
         self.loading_session = False
@@ -339,7 +431,7 @@ class K3ChatApp(App[int]):
         self.chat.hide_progress()
         self.chat.show_notice(message, error=True)
 
-    async def _session_loaded(self, conv: Conversation, estimate: int | None) -> None:
+    async def _session_loaded(self, conv: Conversation, estimate: int | None, note: str | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -347,34 +439,55 @@ class K3ChatApp(App[int]):
         if self.conv is not None and self.conv is not conv:
             self.conv.close()
         self.conv = conv
+        self.thinking, self.effort = conv.thinking, conv.effort or self.effort
         try:
             self.session = self.store.info(conv.session_id)
         except HistoryError:
             pass
         chat = self.chat
         chat.hide_progress()
+        chat.status.set_thinking(self.thinking, self.effort)
         await chat.show_history(conv.records)
         chat.set_title(self.session.name if self.session else None, self.engine.name if self.engine else None)
         if estimate is not None:
             chat.status.set_context(estimate, conv.context, estimate=True)
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
+        if note:
+            notes.append(note)
         if conv.pending_user:
             notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it, ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
 
     def _close_conversation(self) -> None:
+        """Leave the session (a switch, a new session, the end): its engine state is saved
+        first, unless quitting already did that (off the UI thread)."""
         if self.conv is not None:
+            if not self._quitting and not self.busy:
+                note = self._save_state_quietly(self.conv)
+                if note:
+                    self.say(note, warning=True)
             try:
                 self.conv.close()
             except Exception:
                 pass
             self.conv = None
 
+    @staticmethod
+    def _save_state_quietly(conv: Conversation) -> str | None:
+        """conv.save_state_now, never raising: None, or what to tell the user."""
+        try:
+            return conv.save_state_now()
+        except Exception as exc:
+            log.exception("engine state not saved")
+            return f"engine state not saved ({type(exc).__name__}: {exc}); the next start re-reads the conversation"
+
     async def start_new_session(self) -> None:
         self._close_conversation()
         self.session = None
         self.pending_name = None
+        self.thinking, self.effort = self.settings.thinking, self.settings.effort  # a session's own start
         chat = self.chat
+        chat.status.set_thinking(self.thinking, self.effort)
         await chat.show_history([])
         chat.clear_notice()
         chat.set_title(None, self.engine.name if self.engine else None)
@@ -387,8 +500,8 @@ class K3ChatApp(App[int]):
         if self.busy:
             self.say("K3 is answering: stop it (ctrl+c) or wait before switching sessions", warning=True)
             return
-        if not self.ready:
-            self.say("the model is still opening", warning=True)
+        if not self.ready or self._quitting:
+            self.say("the model is still opening" if not self.ready else "k3chat is quitting", warning=True)
             return
         self._close_conversation()
         self.pending_name = None
@@ -414,22 +527,26 @@ class K3ChatApp(App[int]):
         return True
 
     async def submit(self, text: str) -> None:
+        """A message from the box (already emptied by it: keys typed since stay there)."""
         if not self._can_start():
+            self.chat.prompt.restore(text)
             return
         if self.conv is not None and self.conv.pending_user:
+            self.chat.prompt.restore(text)
             self.say("The last message has no answer yet: ctrl+r answers it, ctrl+e edits it", warning=True)
             return
         chat = self.chat
         chat.clear_notice()
-        chat.prompt.clear()
         await self._start_turn("send", text)
 
     async def submit_edit(self, text: str) -> None:
-        if not self._can_start():
-            return
         chat = self.chat
-        chat.stop_edit(restore=False)
-        chat.prompt.clear()
+        if not self._can_start():
+            chat.prompt.restore(text)
+            return
+        draft = chat.stop_edit(restore=False)
+        if draft:
+            chat.prompt.restore(draft)  # what was in the box before ctrl+e comes back
         await self._start_turn("edit", text)
 
     async def action_regenerate(self) -> None:
@@ -475,6 +592,8 @@ class K3ChatApp(App[int]):
                 assert engine is not None and text is not None
                 store = HistoryStore(self.store.root, vault=self.store.vault)
                 created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name)
+                if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
+                    store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
                 conv = self._new_conversation(created.id)
                 self._ui(self._adopt, conv, created)
             emit = self._emit
@@ -560,8 +679,8 @@ class K3ChatApp(App[int]):
         if text is not None and kind in ("send", "edit"):
             if kind == "edit":
                 chat.start_edit(text)
-            elif not chat.prompt.text:
-                chat.prompt.set_text(text)
+            else:
+                chat.prompt.restore(text)
         chat.show_notice(message, error=True)
         if self.conv is not None:
             estimate = self._estimate(self.conv)
@@ -638,9 +757,14 @@ class K3ChatApp(App[int]):
 
     async def _save_and_quit(self, code: int | None) -> None:
         if self._quitting:
-            # Asked again while the turn finishes: stop the step in flight, then quit at once.
+            # Asked again while the turn finishes: stop the step in flight, then quit at once;
+            # while the engine state is written: quit now (the write is atomic, nothing breaks).
             if self.busy:
                 self._stop_turn()
+            elif self._saving_state:
+                self.exit_notes.append("engine state not saved (you quit while it was written); "
+                                       "the next start re-reads the conversation")
+                self._force_exit()
             return
         self._quitting = True
         if self.busy and self._turn_worker is not None:
@@ -652,9 +776,26 @@ class K3ChatApp(App[int]):
                 await self._turn_worker.wait()
             except Exception:
                 pass
+        await self._save_engine_state()
         self._shutdown_engine()
         final = self._return_code if code is None else code
         self.exit(final, return_code=final)
+
+    async def _save_engine_state(self) -> None:
+        """Save the engine state before quitting, on a thread (it can be large); what could not
+        be saved is said after the app has gone."""
+        conv = self.conv
+        if conv is None or self.busy:
+            return
+        self._saving_state = True
+        self.chat.show_progress("Saving the engine state, so the next start need not re-read the conversation "
+                                "(press again to quit without it)")
+        try:
+            note = await asyncio.to_thread(self._save_state_quietly, conv)
+        finally:
+            self._saving_state = False
+        if note:
+            self.exit_notes.append(note)
 
     def _force_exit(self) -> None:
         """Quit now, without waiting for the step in flight (its partial answer is lost; the
@@ -663,8 +804,22 @@ class K3ChatApp(App[int]):
             driver = self._driver
             if driver is not None and not self.is_headless:
                 driver.stop_application_mode()
+            for line in self.goodbye():
+                sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
         finally:
             os._exit(EXIT_INTERRUPTED)
+
+    def goodbye(self) -> list[str]:
+        """What to print once the screen is gone: notes (engine state), and how to resume."""
+        lines = [f"k3chat: {note}" for note in self.exit_notes]
+        session = self.session
+        if session is not None:
+            lines.append(f"k3chat: session {display_name(session.name)!r} is saved; resume it with: "
+                         f"{self.resume_command} --session {session.id}")
+        return lines
 
     def _shutdown_engine(self) -> None:
         if self.busy:
@@ -723,7 +878,8 @@ class K3ChatApp(App[int]):
             self._stop_turn()
 
         def finish() -> None:
-            self._job_done.wait(HANGUP_WAIT)
+            if self._job_done.wait(HANGUP_WAIT) and self.conv is not None:
+                self._save_state_quietly(self.conv)  # nobody to tell if it fails: the terminal is gone
             os._exit(EXIT_INTERRUPTED)
 
         threading.Thread(target=finish, name="k3chat-hangup", daemon=True).start()
@@ -785,24 +941,77 @@ class K3ChatApp(App[int]):
     # ------------------------------------------------------------------ settings from the palette
 
     def set_thinking(self, on: bool, effort: str | None = None) -> None:
+        """The palette's "Thinking: ..." entries. When the new setting changes how the history
+        is presented to the model (the effort is at the very start of the prompt), the next
+        message re-reads the whole conversation: ask first, with the token count."""
         if self.busy:
             self.say("change thinking after this answer", warning=True)
             return
-        old = (self.thinking, self.effort)
-        self.thinking, self.effort = on, effort or self.effort
+        new = (on, effort or self.effort)
+        if new == (self.thinking, self.effort):
+            self.say(f"This session already uses {thinking_label(*new)}")
+            return
         conv = self.conv
         if conv is not None:
-            conv.thinking, conv.effort = self.thinking, self.effort
-            try:
-                conv.prompt_ids()
-            except ContextOverflow as exc:
-                self.thinking, self.effort = old
-                conv.thinking, conv.effort = old
-                self.chat.show_notice(f"thinking not changed: {exc}", error=True)
+            problem = self._thinking_refused(conv, *new)
+            if problem is not None:
+                self.chat.show_notice(f"thinking not changed: {problem}", error=True)
                 return
-            except Exception:
-                pass
-        self.say(f"Thinking {'effort ' + self.effort if on else 'off'} from the next answer")
+            reread = self._rereading(conv, *new)
+            if reread:
+                self.push_screen(ConfirmScreen(self._reread_question(conv, new, reread), yes="Change", no="Keep"),
+                                 lambda yes: self._apply_thinking(*new) if yes else self.say("Thinking not changed"))
+                return
+        self._apply_thinking(*new)
+
+    @staticmethod
+    def _thinking_refused(conv: Conversation, on: bool, effort: str) -> str | None:
+        """Why the next prompt would not fit with this setting, or None."""
+        old = (conv.thinking, conv.effort)
+        conv.thinking, conv.effort = on, effort
+        try:
+            conv.prompt_ids()
+        except ContextOverflow as exc:
+            return str(exc)
+        except Exception:
+            return None
+        finally:
+            conv.thinking, conv.effort = old
+        return None
+
+    def _rereading(self, conv: Conversation, on: bool, effort: str) -> int:
+        """History tokens the next message must re-read because of the new setting (0: none)."""
+        records = conv.records
+        if not records or self.tokenizer is None:
+            return 0
+        try:
+            before = history_ids(records, self.tokenizer, conv.thinking, conv.effort)
+            after = history_ids(records, self.tokenizer, on, effort)
+        except Exception:
+            return 0
+        same = common_prefix(before, after)
+        return len(after) - same if same < len(before) else 0
+
+    @staticmethod
+    def _reread_question(conv: Conversation, new: tuple[bool, str], reread: int) -> str:
+        speed = last_prefill_speed(conv.records)
+        eta = f", about {max(1, round(reread / speed)):,} s at the last prefill speed" if speed else ""
+        return (f"Switch to {thinking_label(*new)}? The model reads the conversation differently with this "
+                f"setting, so your next message first re-reads all {reread:,} tokens of it{eta} (progress "
+                "is shown).  y: switch, n: keep it as it is")
+
+    def _apply_thinking(self, on: bool, effort: str) -> None:
+        self.thinking, self.effort = on, effort
+        conv = self.conv
+        if conv is not None:
+            conv.thinking, conv.effort = on, effort
+            try:
+                self.store.set_settings(conv.session_id, {"thinking": on, "effort": effort})
+            except HistoryError as exc:
+                self.say(f"{thinking_label(on, effort).capitalize()} is used, but not stored with the session: {exc}",
+                         warning=True)
+        self.chat.status.set_thinking(on, effort)
+        self.say(f"{thinking_label(on, effort).capitalize()} from the next answer (kept with this session)")
 
     def set_reasoning_display(self, mode: str) -> None:
         self.reasoning_display = mode
@@ -866,10 +1075,13 @@ class K3ChatApp(App[int]):
         yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
         yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
         yield SystemCommand("Help", "Every key (f1)", self.action_help)
-        yield SystemCommand("Thinking: off", "Answer without reasoning", partial(self.set_thinking, False))
+        current = " (current)"
+        yield SystemCommand("Thinking: off" + (current if not self.thinking else ""), "Answer without reasoning",
+                            partial(self.set_thinking, False))
         for effort in EFFORTS:
-            yield SystemCommand(f"Thinking: {effort}", f"Reason before answering, effort {effort}",
-                                partial(self.set_thinking, True, effort))
+            mark = current if self.thinking and self.effort == effort else ""
+            yield SystemCommand(f"Thinking: {effort}{mark}", f"Reason before answering, effort {effort} "
+                                "(kept with this session)", partial(self.set_thinking, True, effort))
         for mode in DISPLAY_MODES:
             yield SystemCommand(f"Reasoning display: {mode}", {
                 "expanded": "Keep reasoning blocks open",
@@ -884,10 +1096,12 @@ class K3ChatApp(App[int]):
 def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = False,
               engine_factory: EngineFactory | None = None, session: str | None = None,
               memory: str | None = None, threads: int | None = None, context: int | None = None,
-              store: HistoryStore | None = None) -> K3ChatApp:
+              store: HistoryStore | None = None, thinking_given: bool = False) -> K3ChatApp:
     """The app for ``model_dir`` (or the demo model). ``session`` is an id or a name: resumed if
     it exists, else the name of the session the first message creates. ``engine_factory``
-    replaces the way the model is opened (tests); the default plans ``memory`` and opens it."""
+    replaces the way the model is opened (tests); the default plans ``memory`` and opens it.
+    ``thinking_given``: the settings' thinking came from the command line, so it overrides
+    the one the resumed session has stored."""
     if model_dir is None and not demo:
         raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
     if demo:
@@ -906,7 +1120,8 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
             raise AppUsageError(f"--session: {exc}") from None
     return K3ChatApp(Path(model_dir) if model_dir is not None else None, settings=settings, demo=demo,
                      engine_factory=engine_factory, session=info,
-                     new_session_name=session if info is None else None, store=store)
+                     new_session_name=session if info is None else None, store=store,
+                     thinking_given=thinking_given)
 
 
 def _default_factory(model_dir: Path, settings: Settings, progress: Callable[[str], None], *,

@@ -80,7 +80,7 @@ class ChatScreen(Screen[None]):
         yield Static("", id="notice", markup=False)
         with Horizontal(id="prompt-row"):
             yield Static("\u276f", id="prompt-mark", markup=False)
-            yield PromptInput(id="prompt", placeholder="Message K3 (enter sends, shift+enter or ctrl+j: new line)")
+            yield PromptInput(id="prompt", placeholder="Message K3 (enter sends; alt+enter or ctrl+j: new line)")
         yield StatusBar(id="status")
         yield Footer()
 
@@ -265,15 +265,18 @@ class ChatScreen(Screen[None]):
         self.add_class("-editing")
         self.show_notice("Editing your last message: enter resends it (its answer is replaced), escape cancels")
 
-    def stop_edit(self, *, restore: bool) -> None:
+    def stop_edit(self, *, restore: bool) -> str:
+        """Leave edit mode; ``restore`` puts back what the box held before ctrl+e. Returns
+        that text (for the caller to put back itself after sending the edit)."""
         if not self.editing:
-            return
+            return ""
         self.editing = False
         self.remove_class("-editing")
+        stash, self._stash = self._stash, ""
         if restore:
-            self.prompt.set_text(self._stash)
-        self._stash = ""
+            self.prompt.set_text(stash)
         self.clear_notice()
+        return stash
 
     # ------------------------------------------------------------------ keys
 

@@ -37,7 +37,8 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Elsewhere", (
         ("ctrl+s", "sessions: search, resume, rename, delete, export"),
         ("ctrl+n", "start a new session"),
-        ("ctrl+p", "command palette (thinking, reasoning display, Markdown, theme, ...)"),
+        ("ctrl+p", "command palette (thinking effort, kept per session; reasoning display; Markdown; "
+                   "theme, remembered for the next start; ...)"),
         ("f1, ?", "this help"),
     )),
 )

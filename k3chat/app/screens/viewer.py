@@ -13,7 +13,12 @@ from ..text import neutralise
 
 
 class ReasoningViewer(Screen[None]):
-    """The whole reasoning of one answer, read-only, with find (enter / n: next, N: previous)."""
+    """The whole reasoning of one answer, read-only, with find (enter / n: next, N: previous).
+
+    The find box opens with / and takes the keys while it has the focus; enter jumps to the
+    next match and hands the keys back to the text, so n and N then move between matches.
+    Escape in the find box closes only the find box (the query is kept for n and N).
+    """
 
     BINDINGS = [
         Binding("escape,q", "close", "Close"),
@@ -40,7 +45,13 @@ class ReasoningViewer(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#viewer-find-bar").display = False
         self.query_one("#viewer-text", TextArea).focus()
+
+    @property
+    def finding(self) -> bool:
+        """The find box has the keys."""
+        return self.focused is self.query_one("#viewer-find", Input)
 
     # ------------------------------------------------------------------ find
 
@@ -82,6 +93,7 @@ class ReasoningViewer(Screen[None]):
         event.stop()
         self.query_text = event.value
         self._go(True)
+        self.query_one("#viewer-text", TextArea).focus()  # n / N now jump instead of typing
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.query_text = event.value
@@ -89,6 +101,7 @@ class ReasoningViewer(Screen[None]):
         self.query_one("#viewer-matches", Static).update(f"{len(matches)} matches" if self.query_text else "")
 
     def action_find(self) -> None:
+        self.query_one("#viewer-find-bar").display = True
         self.query_one("#viewer-find", Input).focus()
 
     def action_next(self) -> None:
@@ -102,4 +115,8 @@ class ReasoningViewer(Screen[None]):
         self.app.notify("Reasoning copied", markup=False)
 
     def action_close(self) -> None:
+        if self.finding:  # escape in the find box closes the find box only
+            self.query_one("#viewer-find-bar").display = False
+            self.query_one("#viewer-text", TextArea).focus()
+            return
         self.dismiss(None)

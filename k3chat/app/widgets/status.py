@@ -1,5 +1,5 @@
-"""The status bar: model, memory plan, phase, speed, expert cache hit rate, bytes read per
-token and context used. Figures for a turn are differences of the engine's cumulative
+"""The status bar: model, memory plan, thinking effort, phase, speed, expert cache hit rate,
+bytes read per token and context used. Figures for a turn are differences of the engine's cumulative
 counters since the turn's prefill ended, so they describe decoding, not the history."""
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def thinking_label(on: bool, effort: str | None) -> str:
+    return f"thinking {effort}" if on and effort else ("thinking" if on else "no thinking")
+
+
 class StatusBar(Static):
     """One line, built from plain values (never markup)."""
 
@@ -42,6 +46,7 @@ class StatusBar(Static):
         super().__init__("", id=id, markup=False)
         self.model = ""
         self.plan = ""
+        self.thinking = ""
         self.phase = "loading"
         self.speed = ""
         self.cache = ""
@@ -53,6 +58,11 @@ class StatusBar(Static):
 
     def set_model(self, name: str, plan: str) -> None:
         self.model, self.plan = name, plan
+        self._show()
+
+    def set_thinking(self, on: bool, effort: str | None) -> None:
+        """The thinking effort the next answer uses (this session's)."""
+        self.thinking = thinking_label(on, effort)
         self._show()
 
     def set_phase(self, phase: str) -> None:
@@ -95,7 +105,7 @@ class StatusBar(Static):
     # ------------------------------------------------------------------ output
 
     def parts(self) -> list[str]:
-        fields = [self.model, self.plan, self.phase, self.speed, self.cache, self.per_token, self.context]
+        fields = [self.model, self.plan, self.thinking, self.phase, self.speed, self.cache, self.per_token, self.context]
         return [one_line(f, 60) for f in fields if f]
 
     def _show(self) -> None:
