@@ -289,8 +289,10 @@ def routes(service: Service) -> list[Route]:
     async def health(request: Request) -> Response:
         if service.worker.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": service.model_id, "busy": service.worker.busy,
-                             "waiting": service.worker.waiting})
+        worker = service.worker
+        return JSONResponse({"status": "ok", "model": service.model_id, "busy": worker.busy,
+                             "waiting": worker.waiting, "served": worker.served, "cancelled": worker.cancelled,
+                             "saved_states": len(worker.pool), "saved_state_bytes": worker.pool.bytes})
 
     return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

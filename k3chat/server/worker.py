@@ -152,6 +152,8 @@ class EngineWorker:
         self._stopping = False
         self._closed = False
         self.cut_short = 0  # answers ended early because the server was stopped
+        self.cancelled = 0  # generations stopped because their client went away
+        self.served = 0  # answers sent in full (stop or length)
         self._session: EngineSession | None = None
         self._live: list[int] | None = None  # ids the session holds; None: unknown (tainted)
         self._thread = threading.Thread(target=self._loop, name="k3chat-engine", daemon=True)
@@ -273,7 +275,9 @@ class EngineWorker:
         job.emit(outcome)
 
     def _finish_early(self, job: Job) -> None:
-        if self._stopping and not job.gone.is_set():
+        if job.gone.is_set():
+            self.cancelled += 1
+        elif self._stopping:
             self.cut_short += 1
 
     # ------------------------------------------------------------------ engine state
@@ -408,6 +412,8 @@ class EngineWorker:
             out.send("content", stops.flush())
         if finish == "abort":
             self._finish_early(job)
+        else:
+            self.served += 1
         return Outcome(finish, len(job.prompt), reused, generated, out.reasoning_tokens,
                        out.reasoning if job.chat and job.thinking else None, out.content)
 
