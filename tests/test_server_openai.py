@@ -325,3 +325,10 @@ def test_concurrent_clients_get_complete_answers_identical_to_solo_runs(server: 
     for (n, rid), message in results.items():
         assert message.content == solo[rid].content
         assert _reasoning(message) == _reasoning(solo[rid])
+    # several conversations kept for reuse, within the room the plan has for one full state
+    from k3engine.config import load_config
+    from k3engine.planner import snapshot_bytes
+    status, _, raw = _raw(server, "GET", "/health", None)
+    health = json.loads(raw)
+    assert health["saved_states"] >= 2
+    assert 0 < health["saved_state_bytes"] <= snapshot_bytes(load_config(model_dir()), 2048)
