@@ -157,3 +157,16 @@ def test_speculative_is_refused_clearly(capsys: pytest.CaptureFixture[str]) -> N
 def test_demo_and_model_dir_together_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, err = _serve([str(tmp_path), "--demo"], capsys)
     assert code == 2 and "not both" in err
+
+
+def test_only_serve_loads_the_http_stack() -> None:
+    """Without `serve`, k3chat opens no socket: the command line does not even import the
+    HTTP server (the parser knows `serve` by its options alone)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import sys, k3chat.cli; k3chat.cli.build_parser().parse_args(['serve', '--demo']); "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('uvicorn', 'starlette', 'k3chat.server.app'));"
+            "assert not loaded and 'k3chat.server.app' not in sys.modules, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tempfile.gettempdir())
