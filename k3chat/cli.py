@@ -130,12 +130,19 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from .server.serve import add_arguments  # argparse only: the HTTP stack loads in cmd_serve
+    add_arguments(sub.add_parser("serve", help="serve the model on an OpenAI-compatible HTTP API (loopback only "
+                                               "by default)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     _add_sessions(sub)
     _add_chat(sub)
+    _add_serve(sub)
     helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
              "eval-demo": "score the built-in demo model on held-out questions (C engine)",
              "train-demo": "retrain the built-in demo model (needs pip install '.[train]')",
@@ -291,7 +298,12 @@ def _resume_command(args: argparse.Namespace, model: object, configured: object)
     return " ".join(parts)
 
 
-COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat}
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.serve import main_serve
+    return main_serve(args)
+
+
+COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat, "serve": cmd_serve}
 
 
 def _passthrough() -> dict[str, str]:
