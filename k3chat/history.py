@@ -787,12 +787,13 @@ class HistoryStore:
             pass  # never created, or a read-only home: it holds only a pid
 
     def export_markdown(self, session_id: str) -> str:
-        """The conversation for reading. Inert by construction: every message and every
-        reasoning block is in a fenced code block whose fence is longer than any backtick run
-        inside it, and names are backslash-escaped, so no viewer renders model text as links,
-        images or HTML (an export never fetches anything); control characters are shown as
-        visible escapes (display.for_terminal), so printing it cannot drive a terminal. For a
-        faithful copy of the text use the JSON export."""
+        """The conversation for reading. Answers are Markdown made inert (k3chat.safe_markdown:
+        they render, but links, images, URLs and HTML are shown as text, so an export never
+        fetches anything); user and system messages and each reasoning block (in a quote) are
+        fenced code blocks whose fence is longer than any backtick run inside, shown exactly;
+        names are backslash-escaped; control characters are shown as visible escapes
+        (display.for_terminal), so printing it cannot drive a terminal. For a faithful copy of
+        the text use the JSON export."""
         loaded = self.load(session_id)
         info = loaded.info
         out = [f"# {_md_inline(info.name)}", "", f"Session `{info.id}`, created {_iso(info.created)}"
