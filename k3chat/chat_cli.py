@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 from .display import for_terminal, json_safe
 from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
-from .history import (AmbiguousSession, HistoryError, HistoryStore, SessionBusy, SessionExists, SessionInfo,
-                      display_name, open_store)
+from .history import (AmbiguousSession, HistoryError, HistoryStore, NameTaken, SessionBusy, SessionExists,
+                      SessionInfo, display_name, open_store)
 from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
                       SignalStops, memory_option, open_model)
 from .runtime import say as _err
@@ -376,7 +376,8 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
             try:
                 # --session NAME names one session: created only if no other k3chat
                 # created it since this run looked (checked under the index lock).
-                info = created = store.create(name, model=model_dir.name, unique_name=args.session is not None)
+                info = created = store.create(name, model=model_dir.name, unique_name=args.session is not None,
+                                              numbered=args.session is None)
             except SessionExists as exc:
                 return _fail(f"another k3chat created session {exc.info.name!r} ({exc.info.id}) after this run "
                              f"started; nothing was saved; continue it with --session {exc.info.id}")
@@ -501,13 +502,13 @@ def sessions_main(args: argparse.Namespace) -> int:
     from . import paths
     _tolerant_streams()
     actions = {"list": _sessions_list, "show": _sessions_show, "export": _sessions_export,
-               "rename": _sessions_rename, "rm": _sessions_rm, "wipe": _sessions_wipe}
+               "rename": _sessions_rename, "rm": _sessions_rm, "wipe": _sessions_wipe, "search": _sessions_search}
     if args.action in ("encrypt", "decrypt"):
         return _sessions_convert(args.action)
     try:
         # Reading needs no write access: a read-only home (or backup) can still be listed,
         # shown and exported.
-        store = _open_sessions_store(read_only=args.action in ("list", "show", "export"))
+        store = _open_sessions_store(read_only=args.action in ("list", "show", "export", "search"))
         return actions[args.action](store, args)
     except _Usage as exc:
         return usage_error(str(exc))
@@ -556,15 +557,37 @@ def _sessions_show(store: HistoryStore, args: argparse.Namespace) -> int:
     info = _resolve(store, args.session)
     for problem in store.load(info.id).problems:
         _err(f"warning: {problem}")
-    _stdout(store.export_markdown(info.id))
+    _stdout(store.export_text(info.id))
     return EXIT_OK
 
 
-def _output_problem(output: str | None) -> str | None:
+def _sessions_search(store: HistoryStore, args: argparse.Namespace) -> int:
+    from .session_search import search_sessions
+    try:
+        result = search_sessions(store, args.text)
+    except ValueError as exc:
+        raise _Usage(f"sessions search: {exc}") from None
+    if args.json:
+        _stdout(json_safe(json.dumps([hit.to_json() for hit in result.hits], ensure_ascii=False, indent=1)) + "\n")
+    elif result.hits:
+        _stdout("".join(f"{hit.session.id}  {display_name(hit.session.name)}  ({hit.where}): {hit.snippet}\n"
+                        for hit in result.hits))
+    else:
+        _err(f"no session mentions {args.text!r}")
+    for problem in result.problems:
+        _err(f"warning: {problem}")
+    if result.problems:
+        return _fail(f"{len(result.problems)} session(s) could not be searched; the matches above are from the rest")
+    return EXIT_OK
+
+
+def _output_problem(output: str | None, force: bool = False) -> str | None:
     """Why ``-o OUTPUT`` cannot be written (checked before any work), or None."""
     if not output:
         return None
     target = Path(output)
+    if target.exists() and not target.is_dir() and not force:
+        return f"-o {output} already exists; nothing was written: give another name, or --force to replace it"
     if target.is_dir():
         return f"-o {output} is a directory; give a file name, e.g. -o {target / 'session.md'}"
     if not target.parent.is_dir():
@@ -574,7 +597,7 @@ def _output_problem(output: str | None) -> str | None:
 
 def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
     from . import paths
-    problem = _output_problem(args.output)
+    problem = _output_problem(args.output, args.force)
     if problem is not None:
         raise _Usage(problem)
     info = _resolve(store, args.session)
@@ -592,7 +615,10 @@ def _sessions_export(store: HistoryStore, args: argparse.Namespace) -> int:
         text = {"md": store.export_markdown, "json": store.export_json}[args.format](info.id)
     if args.output:
         try:
-            paths.atomic_write(Path(args.output), text.encode("utf-8"))
+            paths.atomic_write(Path(args.output), text.encode("utf-8"), replace=args.force)
+        except FileExistsError:
+            return usage_error(f"-o {args.output} appeared while exporting; nothing was written: give another "
+                               "name, or --force to replace it")
         except OSError as exc:
             return _fail(f"cannot write {args.output}: {exc.strerror or exc}; nothing was written")
         _err(f"wrote {args.output} (mode 0600)")
@@ -610,7 +636,10 @@ def _sessions_rename(store: HistoryStore, args: argparse.Namespace) -> int:
         _check_name(args.name)
     except HistoryError as exc:
         raise _Usage(str(exc)) from None
-    renamed = store.rename(info.id, args.name)
+    try:
+        renamed = store.rename(info.id, args.name)
+    except NameTaken as exc:
+        raise _Usage(str(exc)) from None  # a usage problem: another name works
     _err(f"renamed {info.id}: {info.name!r} -> {renamed.name!r}")
     return EXIT_OK
 

@@ -84,18 +84,25 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("sessions", help="list, show, export, rename, delete, wipe or encrypt saved conversations")
+    s = sub.add_parser("sessions", help="list, search, show, export, rename, delete, wipe or encrypt saved "
+                                        "conversations")
     ss = s.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = ss.add_parser("list", help="all sessions, most recent first")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    show = ss.add_parser("show", help="print a session as Markdown")
+    se = ss.add_parser("search", help="find TEXT in every session, in messages and reasoning (case-insensitive), "
+                                      "with the text around each match")
+    se.add_argument("text", metavar="TEXT", help="the text to look for (taken literally)")
+    se.add_argument("--json", action="store_true", help="print JSON: one object per match")
+    show = ss.add_parser("show", help="print a session as readable text")
     show.add_argument("session", help="session id or name")
     ex = ss.add_parser("export", help="write a session as Markdown, JSON or peer JSONL")
     ex.add_argument("session", help="session id or name")
     ex.add_argument("--format", choices=("md", "json", "jsonl"), default="md",
-                    help="md (default), json (everything, metadata included) or jsonl (kimi-k3-in-c --history)")
+                    help="md (default: Markdown to read; links and images shown as text), json (everything, "
+                         "metadata included) or jsonl (one message per line: role, content, reasoning)")
     ex.add_argument("-o", "--output", help="file to write (private, 0600); default: standard output")
-    rn = ss.add_parser("rename", help="rename a session")
+    ex.add_argument("--force", action="store_true", help="replace the -o file if it exists (default: refuse)")
+    rn = ss.add_parser("rename", help="rename a session (names are unique)")
     rn.add_argument("session", help="session id or name")
     rn.add_argument("name", help="the new name")
     rm = ss.add_parser("rm", help="delete a session and its saved engine state")

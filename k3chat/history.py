@@ -52,6 +52,7 @@ from typing import Any
 
 from k3chat import paths
 from k3chat.display import for_terminal, json_safe
+from k3chat.safe_markdown import answer_markdown
 from k3chat.vault import (KIND_INDEX, KIND_SESSION, STATE_DECRYPTING, STATE_ON, SealError, Vault, has_sealed_line,
                           key_file_beside, unlock_if_enabled)
 
@@ -102,6 +103,15 @@ class SessionExists(HistoryError):
     def __init__(self, info: SessionInfo) -> None:
         self.info = info
         super().__init__(f"a session named {info.name!r} already exists ({info.id}); nothing was created")
+
+
+class NameTaken(HistoryError):
+    """A rename to a name another session has: refused, so a name always resolves."""
+
+    def __init__(self, name: str, info: SessionInfo) -> None:
+        self.info = info
+        super().__init__(f"another session is already named {name!r} ({info.id}); nothing was renamed: choose "
+                         "another name (names must be unique so that --session NAME finds one session)")
 
 
 class SessionBusy(HistoryError):
@@ -550,10 +560,12 @@ class HistoryStore:
 
     # ---- public API
 
-    def create(self, name: str, *, model: str | None = None, unique_name: bool = False) -> SessionInfo:
+    def create(self, name: str, *, model: str | None = None, unique_name: bool = False,
+               numbered: bool = False) -> SessionInfo:
         """A new empty session. With ``unique_name``, SessionExists if a session of that name
         exists (as its file says): checked under the index lock, so of several processes
-        creating the same new name at once exactly one succeeds."""
+        creating the same new name at once exactly one succeeds. With ``numbered`` (names
+        made from the first message), a taken name gets the first free " (2)", " (3)" ..."""
         _check_name(name)
         if model is not None and _string_problem("model", model):
             raise HistoryError("model must be a string")
@@ -563,6 +575,8 @@ class HistoryStore:
             taken = self._named_in(entries, name) if unique_name else []
             if taken:
                 raise SessionExists(taken[0])
+            if numbered:
+                name = self._free_name(entries, name)
             session_id = self._new_id(now)
             header: dict[str, Any] = {META_KEY: "session", "version": FORMAT_VERSION, "id": session_id,
                                       "name": name, "created": now, "model": model}
@@ -635,8 +649,16 @@ class HistoryStore:
         return LoadedSession(parsed.records, parsed.problems, info, parsed.skipped_problems, parsed.settings)
 
     def rename(self, session_id: str, name: str) -> SessionInfo:
+        """NameTaken if another session has ``name`` (as its file says). Checked under the
+        index lock, then appended: two processes renaming two sessions to one new name in the
+        same instant could both pass, which ``find`` then reports as ambiguous."""
         _check_id(session_id)
         _check_name(name)
+        with self._index_lock():
+            entries = self._current_index()
+            others = [info for info in self._named_in(entries, name) if info.id != session_id]
+        if others:
+            raise NameTaken(name, others[0])
         # Appended, not rewritten: the record lines are never touched after they are written.
         meta = {META_KEY: "rename", "name": name, "time": time.time()}
         self._append_line(session_id, meta)
@@ -776,12 +798,13 @@ class HistoryStore:
             pass  # never created, or a read-only home: it holds only a pid
 
     def export_markdown(self, session_id: str) -> str:
-        """The conversation for reading. Inert by construction: every message and every
-        reasoning block is in a fenced code block whose fence is longer than any backtick run
-        inside it, and names are backslash-escaped, so no viewer renders model text as links,
-        images or HTML (an export never fetches anything); control characters are shown as
-        visible escapes (display.for_terminal), so printing it cannot drive a terminal. For a
-        faithful copy of the text use the JSON export."""
+        """The conversation for reading. Answers are Markdown made inert (k3chat.safe_markdown:
+        they render, but links, images, URLs and HTML are shown as text, so an export never
+        fetches anything); user and system messages and each reasoning block (in a quote) are
+        fenced code blocks whose fence is longer than any backtick run inside, shown exactly;
+        names are backslash-escaped; control characters are shown as visible escapes
+        (display.for_terminal), so printing it cannot drive a terminal. For a faithful copy of
+        the text use the JSON export."""
         loaded = self.load(session_id)
         info = loaded.info
         out = [f"# {_md_inline(info.name)}", "", f"Session `{info.id}`, created {_iso(info.created)}"
@@ -789,6 +812,20 @@ class HistoryStore:
         out += _markdown_damage(loaded)
         for record in loaded.records:
             out += ["", *_markdown_record(record)]
+        return "\n".join(out) + "\n"
+
+    def export_text(self, session_id: str) -> str:
+        """The conversation to read in a terminal (``sessions show``): plain text with no
+        Markdown syntax, each message under who said it, reasoning indented behind a bar.
+        Whoever prints it shows controls as escapes (display.for_terminal)."""
+        loaded = self.load(session_id)
+        info = loaded.info
+        out = [display_name(info.name), f"session {info.id}, created {_iso(info.created)}"
+               + (f", model {display_name(info.model)}" if info.model else "")]
+        if loaded.skipped:
+            out.append(f"({len(loaded.skipped)} damaged line(s) of the session file are not shown)")
+        for record in loaded.records:
+            out += ["", *_text_record(record)]
         return "\n".join(out) + "\n"
 
     def export_json(self, session_id: str) -> str:
@@ -1028,6 +1065,15 @@ class HistoryStore:
         self._correct_names(entries)
         return [_info(sid, entry) for sid, entry in entries.items() if entry["name"] == name]
 
+    def _free_name(self, entries: dict[str, dict[str, Any]], name: str) -> str:
+        """``name``, or the first of "name (2)", "name (3)" ... no session has. Index lock held."""
+        candidate, number = name, 1
+        while self._named_in(entries, candidate):
+            number += 1
+            suffix = f" ({number})"
+            candidate = name[: MAX_NAME_LEN - len(suffix)].rstrip() + suffix
+        return candidate
+
     def _name_in_file(self, session_id: str) -> str | None:
         try:
             return self.load(session_id).info.name
@@ -1266,9 +1312,27 @@ def _markdown_record(record: Mapping[str, Any]) -> list[str]:
     out = [heading, ""]
     reasoning = record.get("reasoning_content")
     if reasoning:
-        out += ["Reasoning:", "", *_fenced(reasoning), "", "Answer:", ""]
-    out += _fenced(record["content"])
-    return out
+        # Set apart as a quote holding an inert code block: read as notes, never rendered.
+        out += ["> **Reasoning**", ">", *(f"> {line}".rstrip() for line in _fenced(reasoning)), ""]
+    if record["role"] == "assistant":
+        return out + answer_markdown(record["content"])  # rendered, but nothing in it can fetch
+    return out + _fenced(record["content"])  # what was typed, exactly as typed
+
+
+_SPEAKERS = {"user": "You", "assistant": "K3", "system": "System"}
+
+
+def _text_record(record: Mapping[str, Any]) -> list[str]:
+    heading = _SPEAKERS[record["role"]]
+    if _is_number(record.get("time")):
+        heading += f" ({_iso(record['time'])})"
+    if record.get("interrupted"):
+        heading += " [interrupted]"
+    out = [heading + ":"]
+    reasoning = record.get("reasoning_content")
+    if reasoning:
+        out += ["  Reasoning:", *(f"  \u2502 {line}".rstrip() for line in reasoning.split("\n")), ""]
+    return out + record["content"].split("\n")
 
 
 # --------------------------------------------------------------------------- wiping

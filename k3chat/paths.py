@@ -195,8 +195,10 @@ def sweep_temps(directory: Path, *, target: str | None = None, any_pid: bool = F
     return removed
 
 
-def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> None:
+def atomic_write(path: Path, data: bytes | Iterable[bytes], *, replace: bool = True) -> None:
     """Replace ``path`` with ``data`` (bytes, or chunks to avoid copying a large payload).
+    With ``replace=False`` an existing ``path`` is never replaced: FileExistsError, even if
+    it appeared after the caller looked (the temp file is hard-linked into place).
 
     Temp file in the same directory (O_EXCL, 0600) -> write -> fsync -> os.replace -> fsync
     the directory. On any failure the temp file is removed and ``path`` is unchanged.
@@ -216,7 +218,11 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # EEXIST instead of a silent overwrite
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -654,3 +654,135 @@ def test_core_and_engine_never_import_textual() -> None:
     # run outside the checkout: `-c` puts the working directory first on sys.path, and the
     # source tree's k3chat has no k3chat.themes (the installed package maps themes/ there)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tempfile.gettempdir())
+
+
+# --------------------------------------------------------------------------- issue 8: sessions
+
+
+def notices(app: Any) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def test_browser_searches_reasoning_with_snippets_and_lists_as_the_cli_does(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    store = HistoryStore()
+    older = store.create("lease review")
+    store.append(older.id, {"role": "user", "content": "Read the lease."})
+    store.append(older.id, {"role": "assistant", "content": "Fine.",
+                            "reasoning_content": "The indemnity clause [x](https://x.example) is broad."})
+    newer = store.create("taxes")
+    store.append(newer.id, {"role": "user", "content": "VAT?"})
+    store.rename(older.id, "lease review (final)")  # renamed last: now the most recently updated
+    assert main(["sessions", "list", "--json"]) == 0
+    cli_order = [x["id"] for x in json.loads(capsys.readouterr().out)]
+    app = make_app(model, tok, tiny_dir, Script())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SessionsScreen), "the browser")
+            browser = app.screen
+            assert [e.info.id for e in browser.shown] == cli_order
+            await pilot.press(*"INDEMNITY")  # only in the reasoning, in another case
+            await pilot.pause(0.05)
+            assert [e.info.id for e in browser.shown] == [older.id]
+            preview = str(browser.query_one("#sessions-preview").render())
+            assert "1 match:" in preview
+            assert "reasoning, message 2: The indemnity clause [x](https://x.example) is broad." in preview
+            await pilot.press("f2")  # rename to the other session's name: refused
+            await until(pilot, lambda: isinstance(app.screen, AskScreen), "the rename box")
+            app.screen.query_one("Input").value = "taxes"
+            await pilot.press("enter")
+            await pilot.pause(0.1)
+            message = str(browser.query_one("#sessions-message").render())
+            assert "not renamed: 'taxes' is the name of another session" in message
+            assert HistoryStore().info(older.id).name == "lease review (final)"
+
+    run(scenario)
+
+
+def test_export_asks_before_replacing_and_refuses_an_incomplete_jsonl(home: Path, model: Any, tok: Tokenizer,
+                                                                      tiny_dir: Path, tmp_path: Path) -> None:
+    store = HistoryStore()
+    info = store.create("brief")
+    store.append(info.id, {"role": "user", "content": "Summarise."})
+    store.append(info.id, {"role": "assistant", "content": "**Short**.", "reasoning_content": "r"})
+    with open(store.root / f"{info.id}.jsonl", "ab") as f:
+        f.write(b"{damaged line\n")
+    existing = tmp_path / "brief.md"
+    existing.write_text("keep me\n")
+    existing.chmod(0o644)
+    app = make_app(model, tok, tiny_dir, Script())
+
+    async def export_to(pilot: Any, target: Path) -> None:
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: isinstance(app.screen, SessionsScreen), "the browser")
+        await pilot.press("ctrl+x")
+        await until(pilot, lambda: isinstance(app.screen, AskScreen), "the export box")
+        question = str(app.screen.query_one(".dialog-text").render())
+        assert "kimi-k3-in-c" not in question and "other chat tools" in question
+        app.screen.query_one("Input").value = str(target)
+        await pilot.press("enter")
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await export_to(pilot, existing)
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the overwrite question")
+            assert "already exists" in str(app.screen.query_one(".dialog-text").render())
+            await pilot.press("n")
+            await pilot.pause(0.05)
+            assert existing.read_text() == "keep me\n" and stat.S_IMODE(existing.stat().st_mode) == 0o644
+            await pilot.press("ctrl+x")
+            await until(pilot, lambda: isinstance(app.screen, AskScreen), "the export box")
+            app.screen.query_one("Input").value = str(existing)
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the overwrite question")
+            await pilot.press("y")
+            await until(pilot, lambda: existing.read_text().startswith("# brief"), "the replacement")
+            assert stat.S_IMODE(existing.stat().st_mode) == 0o600 and "**Short**." in existing.read_text()
+            await pilot.press("escape")
+            peer = tmp_path / "brief.jsonl"
+            await export_to(pilot, peer)
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, SessionsScreen) and not peer.exists()
+            message = str(app.screen.query_one("#sessions-message").render())
+            assert "not exported: 1 line(s) of this session are damaged" in message and ".json" in message
+
+    run(scenario)
+
+
+def test_empty_answer_copy_tab_to_newest_reasoning_and_fold_label(home: Path, model: Any, tok: Tokenizer,
+                                                                    tiny_dir: Path) -> None:
+    store = HistoryStore()
+    info = store.create("two turns")
+    store.append(info.id, {"role": "user", "content": "one"})
+    store.append(info.id, {"role": "assistant", "content": "First.", "reasoning_content": "old thought"})
+    store.append(info.id, {"role": "user", "content": "two"})
+    store.append(info.id, {"role": "assistant", "content": "", "reasoning_content": "new thought"})
+    app = make_app(model, tok, tiny_dir, Script(), session="two turns")
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: len(app.chat.query(ReasoningBlock)) == 2, "the history")
+            app.copy_to_clipboard("before")
+            app.copy_last_answer()
+            await pilot.pause(0.05)
+            assert app.clipboard == "before"
+            assert notices(app)[-1] == "nothing to copy: the last answer is empty"
+            assert app.focused is app.chat.prompt
+            await pilot.press("tab")
+            assert isinstance(app.focused, ReasoningBlock) and app.focused.text == "new thought"
+            await pilot.press("tab")  # then on in reading order: that turn's answer
+            assert isinstance(app.focused, AnswerBlock)
+            await pilot.press("c")
+            await pilot.pause(0.05)
+            assert app.clipboard == "before" and notices(app)[-1] == "nothing to copy: the answer is empty"
+            footer = screen_text(app).splitlines()[-1]
+            assert "Fold block" in footer and "Fold thoughts" not in footer
+
+    run(scenario)

@@ -519,3 +519,119 @@ def test_sessions_wipe_zeroes_history_and_state_then_deletes(home: Path, capsys:
     assert "3 file(s) overwritten with zeros" in err and "note:" in err and "encryption" in err
     assert not session.exists() and not sp.exists() and not state_temp.exists()
     assert [i.id for i in HistoryStore().list()] == [keep]
+
+
+# --------------------------------------------------------------------------- issue 8: sessions
+
+
+def test_export_refuses_an_existing_file_unless_force(home: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    sid = _history_session("x")
+    dest = tmp_path / "notes.md"
+    dest.write_text("my own notes\n")
+    dest.chmod(0o644)
+    assert main(["sessions", "export", sid, "-o", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {dest} already exists; nothing was written" in err and "--force" in err
+    assert dest.read_text() == "my own notes\n" and stat.S_IMODE(os.stat(dest).st_mode) == 0o644
+    assert main(["sessions", "export", sid, "-o", str(dest), "--force"]) == 0
+    assert dest.read_text().startswith("# x\n") and stat.S_IMODE(os.stat(dest).st_mode) == 0o600
+    fresh = tmp_path / "fresh.json"
+    assert main(["sessions", "export", sid, "--format", "json", "-o", str(fresh)]) == 0
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o600
+
+
+def test_export_never_replaces_a_file_that_appears_meanwhile(home: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat import chat_cli
+    sid = _history_session("x")
+    dest = tmp_path / "late.md"
+    real = chat_cli._output_problem
+
+    def then_someone_writes(output: str | None, force: bool = False) -> str | None:
+        problem = real(output, force)
+        dest.write_text("written by someone else\n")
+        return problem
+
+    monkeypatch.setattr(chat_cli, "_output_problem", then_someone_writes)
+    assert main(["sessions", "export", sid, "-o", str(dest)]) == 2
+    assert "appeared while exporting; nothing was written" in capsys.readouterr().err
+    assert dest.read_text() == "written by someone else\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_rename_to_a_taken_name_is_refused_so_names_resolve(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _history_session("alpha")
+    b = _history_session("beta")
+    assert main(["sessions", "rename", b, "alpha"]) == 2
+    err = capsys.readouterr().err
+    assert f"another session is already named 'alpha' ({a}); nothing was renamed" in err
+    assert HistoryStore().info(b).name == "beta"
+    assert main(["sessions", "show", "alpha"]) == 0  # still names exactly one session
+    assert main(["sessions", "rename", b, "gamma"]) == 0
+
+
+def test_show_prints_readable_text(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = HistoryStore()
+    sid = store.create("Smith v. Jones").id
+    store.append(sid, {"role": "user", "content": "What is *due process*?"})
+    store.append(sid, {"role": "assistant", "content": "It is [a right].", "reasoning_content": "Recall.\x1b[2J"})
+    assert main(["sessions", "show", sid]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "Smith v. Jones"  # not "# Smith v\. Jones"
+    assert "What is *due process*?\n" in out and "It is [a right].\n" in out
+    assert "\u2502 Recall.\\x1b[2J" in out and "\x1b" not in out  # controls shown, never obeyed
+    assert "```" not in out
+
+
+def test_sessions_search_finds_content_and_reasoning_with_snippets(home: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    store = HistoryStore()
+    a = store.create("contract case").id
+    store.append(a, {"role": "user", "content": "Read the lease."})
+    store.append(a, {"role": "assistant", "content": "It is void.",
+                     "reasoning_content": "x" * 60 + " the Indemnity clause\x1b]52;c;bad\x07 is broad " + "y" * 60})
+    b = store.create("other").id
+    store.append(b, {"role": "user", "content": "indemnity?\nplease"})
+    assert main(["sessions", "search", "indemnity"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    by_session = {line.split()[0]: line for line in lines}
+    assert "(your message 1): indemnity? please" in by_session[b]
+    hit = by_session[a]
+    assert "(reasoning, message 2): \u2026" in hit and "the Indemnity clause\\x1b]52;c;bad\\x07 is" in hit
+    assert hit.endswith("\u2026") and "\x1b" not in hit and "x" * 60 not in hit
+    assert main(["sessions", "search", "INDEMNITY", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {(d["session"], d["record"], d["field"]) for d in doc} == {(a, 2, "reasoning_content"), (b, 1, "content")}
+    first = next(d for d in doc if d["session"] == a)
+    assert first["snippet"][first["match_start"]:first["match_end"]] == "Indemnity"
+    assert main(["sessions", "search", "nowhere"]) == 0
+    assert "no session mentions 'nowhere'" in capsys.readouterr().err
+    assert main(["sessions", "search", " "]) == 2
+    assert "give some text to search for" in capsys.readouterr().err
+
+
+def test_sessions_search_and_export_an_encrypted_history(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat import paths, vault
+    from k3chat.history import open_store
+
+    secret = tmp_path / "passphrase"
+    secret.write_text("correct horse battery staple\n")
+    monkeypatch.setenv(vault.PASSPHRASE_ENV, str(secret))
+    monkeypatch.setattr(vault, "_UNLOCKED", {})
+    paths.ensure_private_dir(paths.data_dir())
+    vault.create_key_file(paths.data_dir() / vault.KEY_FILE_NAME, "correct horse battery staple", n=2**10,
+                          state=vault.STATE_ON)
+    store = open_store()
+    sid = store.create("sealed").id
+    store.append(sid, {"role": "user", "content": "the settlement figure?"})
+    store.append(sid, {"role": "assistant", "content": "Confidential.", "reasoning_content": "figure is 4,750,000"})
+    assert b"4,750,000" not in (store.root / f"{sid}.jsonl").read_bytes()  # really encrypted
+    assert main(["sessions", "search", "4,750,000"]) == 0
+    assert "(reasoning, message 2): figure is 4,750,000" in capsys.readouterr().out
+    dest = tmp_path / "sealed.md"
+    assert main(["sessions", "export", "sealed", "-o", str(dest)]) == 0
+    assert "Confidential." in dest.read_text() and "this export is not" in capsys.readouterr().err

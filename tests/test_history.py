@@ -376,7 +376,8 @@ def test_export_markdown(store: HistoryStore) -> None:
     for heading in ("## System", "## User", "## Assistant"):
         assert heading in md
     assert "What is **X**?" in md and "X is Y." in md
-    assert "Reasoning:\n\n```text\nLine one\nLine two\n```" in md
+    # Reasoning set apart: a quote holding an inert code block.
+    assert "> **Reasoning**\n>\n> ```text\n> Line one\n> Line two\n> ```" in md
     assert "[interrupted]" in md
     assert md.index("## User") < md.index("## Assistant")
 
@@ -578,8 +579,66 @@ def test_markdown_export_never_renders_model_text_live(store: HistoryStore) -> N
     html = MarkdownIt("commonmark", {"html": True}).render(md)
     for live in ("<img", "<a ", "<script", "<b>", 'src="', 'href="'):
         assert live not in html, live
-    # The text itself is all there, as text.
-    assert md.count("![pixel](https://tracker.example/p.png)") == 3
+    # The text itself is all there, as text: verbatim where typed or reasoned, and in the
+    # answer escaped so that it renders as that text.
+    assert md.count("![pixel](https://tracker.example/p.png)") == 2
+    assert html.count("![pixel](<code>https://tracker.example/p.png</code>)") == 1
+
+
+def test_markdown_export_renders_answers_as_markdown_that_cannot_fetch(store: HistoryStore) -> None:
+    from markdown_it import MarkdownIt
+
+    answer = ("**Void**, because:\n\n- clause `Vec<T>` 7\n- see https://court.example/ruling and www.law.example\n"
+              "- ![pixel](https://t.example/p.png) [click](https://c.example) <img src=https://x.example/a>\n\n"
+              "| a | b |\n|---|---|\n| `x | <img src=https://x.example/t>` | y |\n\n"
+              "- p `\n- ` q ` <img src=https://x.example/list> `\n\n"
+              "```python\nif a < b: print('<b>')\n```\n\n```\nnever closed <script>fetch(1)</script>")
+    sid = store.create("Ruling").id
+    store.append(sid, user("Is it valid?"))
+    store.append(sid, assistant(answer, "check <img src=https://x.example/r>"))
+    store.append(sid, user("Thanks"))
+    md = store.export_markdown(sid)
+    # The renderer that links the most (GitHub-like: raw HTML on, bare URLs linked).
+    html = MarkdownIt("gfm-like", {"html": True, "linkify": True}).render(md)
+    for live in ("<img", "<a ", "<script", "<b>", 'src="', 'href="'):
+        assert live not in html, live
+    assert "<strong>Void</strong>" in html and "<li>clause <code>Vec&lt;T&gt;</code> 7</li>" in html
+    assert "<code>https://court.example/ruling</code>" in html and "<table>" in html
+    assert '<pre><code class="language-python">if a &lt; b: print(\'&lt;b&gt;\')' in html
+    # The fence the answer left open is closed: the next message is still a heading.
+    assert "<h2>User" in html.split("never closed")[1]
+    assert "<blockquote>" in html and "check &lt;img" in html
+
+
+def test_show_text_is_plain_and_readable(store: HistoryStore) -> None:
+    sid = store.create("Consult").id
+    store.append(sid, user("What is *X*?"))
+    store.append(sid, assistant("X is **Y** [1].", "Line one\nLine two", interrupted=True))
+    text = store.export_text(sid)
+    lines = text.splitlines()
+    assert lines[0] == "Consult"
+    assert "You (" in text and "K3 (" in text and "[interrupted]:" in text
+    assert "What is *X*?" in lines and "X is **Y** [1]." in lines  # as written, nothing escaped
+    assert "  \u2502 Line one" in lines and "  \u2502 Line two" in lines
+    assert "```" not in text and "\\" not in text
+
+
+def test_rename_refuses_a_name_another_session_has(store: HistoryStore) -> None:
+    a = store.create("alpha").id
+    b = store.create("beta").id
+    with pytest.raises(history.NameTaken, match="another session is already named 'alpha'"):
+        store.rename(b, "alpha")
+    assert store.load(b).info.name == "beta"  # nothing appended
+    assert store.rename(a, "alpha").name == "alpha"  # its own name again is fine
+    assert store.find("alpha").id == a
+
+
+def test_names_made_from_a_message_are_numbered_when_taken(store: HistoryStore) -> None:
+    first = store.create("hello", numbered=True)
+    second = store.create("hello", numbered=True)
+    third = store.create("hello", numbered=True)
+    assert (first.name, second.name, third.name) == ("hello", "hello (2)", "hello (3)")
+    assert store.find("hello (2)").id == second.id
 
 
 def test_peer_export_drops_unrendered_records_and_reports_damage(store: HistoryStore) -> None:

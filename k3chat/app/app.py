@@ -51,7 +51,7 @@ from .engine import Engine, EngineFactory, open_engine, plan_summary
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
-from .screens.sessions import SessionsChanged, SessionsScreen, export_format
+from .screens.sessions import SessionsChanged, SessionsScreen, export_dialog
 from .screens.viewer import ReasoningViewer
 from .text import one_line
 from .theming import THEMES, remember_theme, remembered_theme, resolve_theme, stylesheet
@@ -1039,6 +1039,9 @@ class K3ChatApp(App[int]):
         if answer is None:
             self.say("no answer yet")
             return
+        if not answer.text.strip():
+            self.say("nothing to copy: the last answer is empty")
+            return
         self.copy_to_clipboard(answer.text)
         self.say(f"Copied the answer ({len(answer.text):,} characters)")
 
@@ -1048,27 +1051,7 @@ class K3ChatApp(App[int]):
             return
         session_id = self.conv.session_id
         name = self.session.name if self.session is not None else session_id
-        safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name).strip("-")[:60] or "session"
-
-        def done(target: str | None) -> None:
-            if not target:
-                return
-            from k3chat import paths
-
-            path = Path(target).expanduser()
-            fmt = export_format(path)
-            try:
-                text = {"md": self.store.export_markdown, "json": self.store.export_json,
-                        "jsonl": self.store.export_peer_jsonl}[fmt](session_id)
-                paths.atomic_write(path, text.encode("utf-8"))
-            except (HistoryError, OSError) as exc:
-                self.say(f"not exported: {exc}", error=True)
-                return
-            plain = ", plaintext: the history is encrypted, this copy is not" if self.store.vault else ""
-            self.say(f"Exported to {path} (readable only by you{plain})")
-
-        self.push_screen(AskScreen("Export to (.md Markdown, .json everything, .jsonl for kimi-k3-in-c; mode 0600):",
-                                   str(Path.cwd() / f"{safe}.md")), done)
+        export_dialog(self, self.store, session_id, name, self.say)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

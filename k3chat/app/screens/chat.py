@@ -47,11 +47,12 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+e", "app.edit_last", "Edit last", priority=True, id="edit_last"),
         Binding("ctrl+s", "app.sessions", "Sessions", priority=True, id="sessions"),
         Binding("ctrl+n", "app.new_session", "New", show=False, priority=True, id="new_session"),
-        Binding("ctrl+t", "toggle_reasoning", "Fold thoughts", priority=True, id="toggle_reasoning"),
+        Binding("ctrl+t", "toggle_reasoning", "Fold block", priority=True, id="toggle_reasoning"),
         Binding("alt+up", "block(-1)", "Previous block", show=False, priority=True, id="previous_block"),
         Binding("alt+down", "block(1)", "Next block", show=False, priority=True, id="next_block"),
         Binding("shift+pageup", "scroll_transcript(-1)", show=False, priority=True),
         Binding("shift+pagedown", "scroll_transcript(1)", show=False, priority=True),
+        Binding("tab", "tab", show=False),
         Binding("escape", "escape", show=False),
         Binding("question_mark", "app.help", "Help", show=False),
     ]
@@ -315,6 +316,20 @@ class ChatScreen(Screen[None]):
         blocks[index].focus()
         blocks[index].scroll_visible(animate=False)
 
+    def action_tab(self) -> None:
+        """From the message box, to the newest reasoning block (the one just read), else the
+        newest block; from anywhere else, the next widget as usual."""
+        if self.focused is not self.prompt:
+            self.focus_next()
+            return
+        blocks = self.transcript.blocks()
+        target = next((b for b in reversed(blocks) if isinstance(b, ReasoningBlock)), blocks[-1] if blocks else None)
+        if target is None:
+            self.focus_next()
+            return
+        target.focus()
+        target.scroll_visible(animate=False)
+
     def action_scroll_transcript(self, direction: int) -> None:
         transcript = self.transcript
         if direction < 0:
@@ -331,6 +346,9 @@ class ChatScreen(Screen[None]):
 
     def on_reasoning_block_copy_requested(self, event: ReasoningBlock.CopyRequested) -> None:
         event.stop()
+        if not event.text.strip():
+            self.k3.say(f"nothing to copy: the {event.what} is empty")
+            return
         self.app.copy_to_clipboard(event.text)
         self.k3.say(f"Copied the {event.what} ({len(event.text):,} characters)")
 

@@ -25,7 +25,7 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("ctrl+q", "save and quit (again: stop the step in flight; a third time: quit at once)"),
     )),
     ("Reading", (
-        ("tab, shift+tab", "move between the input and the blocks"),
+        ("tab, shift+tab", "move between the input and the blocks (tab from the input: the newest reasoning)"),
         ("alt+up, alt+down", "previous / next block"),
         ("ctrl+t", "fold or unfold the focused reasoning block (else the last one)"),
         ("enter, space", "fold or unfold the focused reasoning block"),
@@ -35,7 +35,7 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("escape", "back to the input"),
     )),
     ("Elsewhere", (
-        ("ctrl+s", "sessions: search, resume, rename, delete, export"),
+        ("ctrl+s", "sessions: search names, messages and reasoning; resume, rename, delete, export"),
         ("ctrl+n", "start a new session"),
         ("ctrl+p", "command palette (thinking effort, kept per session; reasoning display; Markdown; "
                    "theme, remembered for the next start; ...)"),

@@ -1,11 +1,15 @@
-"""The session browser: search (names and messages), resume, rename, delete (confirmed),
-export (Markdown, JSON, or the peer's JSONL; written 0600)."""
+"""The session browser: search (names, messages and reasoning, with the matching text shown),
+resume, rename, delete (confirmed), export (Markdown, JSON or JSONL; written 0600, an existing
+file replaced only when confirmed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -16,18 +20,24 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from k3chat import paths
-from k3chat.history import HistoryError, HistoryStore, SessionInfo
+from k3chat.history import HistoryError, HistoryStore, NameTaken, SessionInfo
+from k3chat.session_search import Hit, pattern, record_hits
 
-from ..text import literal, one_line
+from ..text import literal, neutralise, one_line
 from .dialogs import AskScreen, ConfirmScreen
 
-EXPORTS = {"md": ("Markdown", ".md"), "json": ("JSON", ".json"), "jsonl": ("JSONL for kimi-k3-in-c", ".jsonl")}
+EXPORTS = {"md": ("Markdown", ".md"), "json": ("JSON", ".json"), "jsonl": ("JSONL", ".jsonl")}
+EXPORT_QUESTION = ("Save a copy of this conversation to a file. The end of the name picks the kind: .md to read "
+                   "(Markdown), .json for everything k3chat keeps, .jsonl for other chat tools (one message per "
+                   "line). Only you can read the file.")
+HITS_SHOWN = 5  # matching snippets shown in the preview of a session
 
 
 @dataclass
 class _Entry:
     info: SessionInfo
-    text: str | None = None  # every message, folded to lower case, loaded for a content search
+    records: list[dict[str, Any]] | None = None  # loaded for a content search
+    hits: list[Hit] = field(default_factory=list)  # of the current search
 
 
 class SessionsChanged(Message):
@@ -71,7 +81,7 @@ class SessionsScreen(Screen[str | None]):
 
     def compose(self) -> ComposeResult:
         yield Static(Content.styled("Sessions", "bold"), id="sessions-title", markup=False)
-        yield Input(placeholder="search names and messages", id="sessions-search")
+        yield Input(placeholder="search names, messages and reasoning", id="sessions-search")
         with Horizontal(id="sessions-body"):
             yield DataTable(id="sessions-table", cursor_type="row", zebra_stripes=True)
             with Vertical(id="sessions-preview-box"):
@@ -100,25 +110,27 @@ class SessionsScreen(Screen[str | None]):
         for info in infos:
             old = cache.get(info.id)
             same = old is not None and old.info.updated == info.updated
-            self.entries.append(_Entry(info, old.text if same and old else None))
+            self.entries.append(_Entry(info, old.records if same and old else None))
         self.refilter(keep=keep)
 
-    def _content(self, entry: _Entry) -> str:
-        if entry.text is None:
+    def _records(self, entry: _Entry) -> list[dict[str, Any]]:
+        if entry.records is None:
             try:
-                records = self.store.load(entry.info.id).records
+                entry.records = self.store.load(entry.info.id).records
             except (HistoryError, OSError):
-                records = []
-            entry.text = "\n".join(str(r.get("content", "")) for r in records).casefold()
-        return entry.text
+                entry.records = []
+        return entry.records
 
     def refilter(self, keep: str | None = None) -> None:
-        query = self.query_one("#sessions-search", Input).value.strip().casefold()
+        query = self.query_one("#sessions-search", Input).value.strip()
+        needle = pattern(query) if query else None
         shown = []
         for entry in self.entries:
-            if not query or query in entry.info.name.casefold() or query in entry.info.id.casefold():
-                shown.append(entry)
-            elif len(query) >= 2 and query in self._content(entry):
+            entry.hits = []
+            if needle is not None and len(query) >= 2:
+                # The same matching as `k3chat sessions search` (k3chat.session_search).
+                entry.hits = list(record_hits(entry.info, self._records(entry), needle))
+            if needle is None or needle.search(entry.info.name) or needle.search(entry.info.id) or entry.hits:
                 shown.append(entry)
         self.shown = shown
         table = self.query_one(DataTable)
@@ -157,6 +169,9 @@ class SessionsScreen(Screen[str | None]):
         info = entry.info
         lines = [f"{info.name}", f"id {info.id}", f"created {_when(info.created)}",
                  f"model {info.model or '?'}", ""]
+        if entry.hits:
+            preview.update(_matches(lines, entry.hits))
+            return
         try:
             records = self.store.load(info.id).records[-6:]
         except (HistoryError, OSError) as exc:
@@ -218,6 +233,9 @@ class SessionsScreen(Screen[str | None]):
                 return
             try:
                 self.store.rename(entry.info.id, name)
+            except NameTaken as exc:
+                self.say(f"not renamed: {exc.info.name!r} is the name of another session; choose another", error=True)
+                return
             except (HistoryError, OSError) as exc:
                 self.say(str(exc), error=True)
                 return
@@ -258,28 +276,76 @@ class SessionsScreen(Screen[str | None]):
 
     def action_export(self) -> None:
         entry = self.selected()
-        if entry is None:
+        if entry is not None:
+            export_dialog(self.app, self.store, entry.info.id, entry.info.name, self.say)
+
+
+def _matches(lines: list[str], hits: list[Hit]) -> Text:
+    """The preview of a session found by its text: where each match is, the match in bold."""
+    out = Text(neutralise("\n".join(lines)) + "\n")
+    more = len(hits) - HITS_SHOWN
+    out.append(f"{len(hits)} match{'es' if len(hits) != 1 else ''}:\n")
+    for hit in hits[:HITS_SHOWN]:
+        out.append(f"{hit.where}: ", style="dim")
+        out.append(neutralise(hit.before))
+        out.append(neutralise(hit.match), style="bold reverse")
+        out.append(neutralise(hit.after) + "\n")
+    if more > 0:
+        out.append(f"and {more} more", style="dim")
+    return out
+
+
+Say = Callable[..., None]  # say(text, error=False): the status line of the caller
+
+
+def export_dialog(app: Any, store: HistoryStore, session_id: str, name: str, say: Say) -> None:
+    """Ask where to export a session, confirm before replacing a file, write it (0600)."""
+    default = str(Path.cwd() / _file_name(name, ".md"))
+
+    def chosen(target: str | None) -> None:
+        if not target:
             return
-        default = str(Path.cwd() / _file_name(entry.info.name, ".md"))
+        path = Path(target).expanduser()
+        if path.is_dir():
+            say(f"not exported: {path} is a folder; give a file name", error=True)
+        elif path.exists() or path.is_symlink():
+            question = f"{path} already exists. Replace it with this conversation?"
+            app.push_screen(ConfirmScreen(question, yes="Replace", no="Keep it"),
+                            lambda yes: write(path, True) if yes else say(f"not exported: {path} was kept as it was"))
+        else:
+            write(path, False)
 
-        def done(target: str | None) -> None:
-            if not target:
-                return
-            path = Path(target).expanduser()
-            fmt = export_format(path)
-            label = EXPORTS[fmt][0]
-            try:
-                text = {"md": self.store.export_markdown, "json": self.store.export_json,
-                        "jsonl": self.store.export_peer_jsonl}[fmt](entry.info.id)
-                paths.atomic_write(path, text.encode("utf-8"))
-            except (HistoryError, OSError) as exc:
-                self.say(f"not exported: {exc}", error=True)
-                return
-            self.say(f"exported as {label} to {path} (readable only by you)")
+    def write(path: Path, replace: bool) -> None:
+        fmt = export_format(path)
+        try:
+            text = _export_text(store, session_id, fmt)
+            paths.atomic_write(path, text.encode("utf-8"), replace=replace)
+        except FileExistsError:
+            say(f"not exported: {path} appeared meanwhile and was kept; export again to replace it", error=True)
+            return
+        except (HistoryError, OSError) as exc:
+            say(f"not exported: {exc}", error=True)
+            return
+        plain = ", in plaintext: the history is encrypted, this copy is not" if store.vault is not None else ""
+        say(f"exported as {EXPORTS[fmt][0]} to {path} (readable only by you{plain})")
 
-        question = ("Export to (the name decides the format: .md Markdown, .json everything, .jsonl for "
-                    "kimi-k3-in-c; the file is private, mode 0600):")
-        self.app.push_screen(AskScreen(question, default), done)
+    app.push_screen(AskScreen(EXPORT_QUESTION, default), chosen)
+
+
+def _export_text(store: HistoryStore, session_id: str, fmt: str) -> str:
+    if fmt == "md":
+        return store.export_markdown(session_id)
+    if fmt == "json":
+        return store.export_json(session_id)
+    text, warnings = store.export_peer_jsonl_checked(session_id)
+    damaged = sum(w.startswith("damaged line") for w in warnings)
+    if damaged:
+        raise HistoryError(f"{damaged} line(s) of this session are damaged, so a JSONL copy would silently miss "
+                           "messages; export to .json instead (it keeps everything and lists what is damaged)")
+    if any("two user messages in a row" in w for w in warnings):
+        raise HistoryError("an empty stopped answer sits between two of your messages, and other tools refuse a "
+                           "JSONL file with two of your messages in a row; export to .json or .md instead")
+    return text
 
 
 def export_format(path: Path) -> str:
@@ -287,4 +353,4 @@ def export_format(path: Path) -> str:
     return {".json": "json", ".jsonl": "jsonl"}.get(suffix, "md")
 
 
-__all__ = ["SessionsScreen", "SessionsChanged", "EXPORTS", "export_format"]
+__all__ = ["SessionsScreen", "SessionsChanged", "EXPORTS", "export_format", "export_dialog"]
