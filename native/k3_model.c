@@ -8,7 +8,7 @@
 
 #include "k3_internal.h"
 
-#define KM_CHUNK 64
+#define KM_CHUNK 64 /* prefill tokens per pass when the open options give none */
 
 void km_kk_ctx(const k3_model *m, kk_ctx *c) {
     c->nthreads = m->nthreads;
@@ -195,7 +195,7 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         return K3_ERR_INVALID;
     }
     /* the shared KDA slot only holds within one pass over the whole sequence */
-    int chunk = st->shared_slot ? n : KM_CHUNK;
+    int chunk = st->shared_slot ? n : (m->opts.prefill_chunk > 0 ? m->opts.prefill_chunk : KM_CHUNK);
     for (int done = 0; done < n;) {
         int cn = n - done < chunk ? n - done : chunk;
         int last_chunk = done + cn == n;
