@@ -123,6 +123,7 @@ class StreamOptions:
     ring_slots: int = 2
     pinned: tuple[int, ...] = ()     # layers kept resident while streaming
     embed_stream: bool = False       # read embedding rows per token instead of holding them
+    prefill_chunk: int = 64          # prompt tokens per pass: each distinct expert read once per pass
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,9 @@ class Model:
         o.trunk_stream = 1 if so.trunk_stream else 0
         o.ring_slots = int(so.ring_slots)
         o.embed_stream = 1 if so.embed_stream else 0
+        if so.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {so.prefill_chunk}")
+        o.prefill_chunk = int(so.prefill_chunk)
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")

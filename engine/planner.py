@@ -588,6 +588,7 @@ class Plan:
             "ring_slots": self.ring_slots if not self.trunk_resident else RING_SLOTS,
             "pinned": tuple(self.pinned_layers),
             "embed_stream": self.embed_stream,
+            "prefill_chunk": self.prefill_chunk,  # the chunk the work buffers were sized for
         }
 
     def stream_options(self, reader_threads: int = IO_READERS) -> Any:

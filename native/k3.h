@@ -81,6 +81,9 @@ typedef struct k3_open_opts {
     int32_t ring_slots;          /* >= 2 when streaming */
     uint8_t pinned[K3_MAX_LAYERS];
     int32_t embed_stream;        /* 1: embedding rows are read from the shard per token */
+    int32_t prefill_chunk;       /* tokens per prefill pass (each distinct expert is read
+                                  * at most once per pass); 0 -> 64.  Output bits never
+                                  * depend on it. */
 } k3_open_opts;
 
 typedef struct k3_stats {

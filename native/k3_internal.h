@@ -35,8 +35,10 @@ typedef struct kk_ctx {
 } kk_ctx;
 
 int kk_cpu_has_avx2(void);
-/* Dot product with the engine's one reduction order (8 lanes, fixed tree). */
+/* Dot product with the engine's one reduction order (8 double lanes, fixed tree),
+ * rounded once to float (kk_dot) or kept in double (kk_dot_d). */
 float kk_dot(const float *a, const float *b, int n, int simd);
+double kk_dot_d(const float *a, const float *b, int n, int simd);
 /* Dot of one weight row (any dtype) with x, same order as kk_dot. */
 float kk_dot_row(const kk_mat *w, int row, const float *x, int simd);
 /* Y[t*ldy + r] = W[r,:] . X[t*ldx + :] for r < rows, t < ntok. */

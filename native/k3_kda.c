@@ -25,11 +25,11 @@ static void kda_conv_silu(float *x, int ntok, int P, int K, const float *w, floa
             float in = x[(size_t)t * P + c];
             for (int j = 0; j < K - 1; j++) win[j] = h[j];
             win[K - 1] = in;
-            float y = 0.0f;
-            for (int j = 0; j < K; j++) y = y + wc[j] * win[j]; /* w[K-1] meets the newest */
+            double y = 0.0; /* double sum, as every reduction (k3_kernels.c) */
+            for (int j = 0; j < K; j++) y = y + (double)wc[j] * (double)win[j]; /* w[K-1] meets the newest */
             for (int j = 0; j + 1 < K - 1; j++) h[j] = h[j + 1];
             if (K > 1) h[K - 2] = in;
-            x[(size_t)t * P + c] = kk_silu(y);
+            x[(size_t)t * P + c] = kk_silu((float)y);
         }
     }
 }
@@ -47,17 +47,18 @@ static void kda_heads(void *vctx, int hb, int he) {
     const k3_config *c = &j->m->cfg;
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D;
     float u[1024], qs[1024], o[1024];
+    double ud[1024], od[1024]; /* the sums over the state's rows, in double */
     float scale = 1.0f / sqrtf((float)D);
     for (int h = hb; h < he; h++) {
         float *S = j->S + (size_t)h * D * D;
-        float expA = expf(j->ly->a_log[h]);
+        double expA = exp((double)j->ly->a_log[h]);
         for (int t = 0; t < j->ntok; t++) {
             float *q = j->q + (size_t)t * P + h * D, *k = j->k + (size_t)t * P + h * D;
             const float *v = j->v + (size_t)t * P + h * D;
             const float *z = j->z + (size_t)t * P + h * D;
             /* L2 norm of q and k per head: epsilon on the sum of squares */
-            float qn = 1.0f / sqrtf(kk_dot(q, q, D, j->simd) + 1e-6f);
-            float kn = 1.0f / sqrtf(kk_dot(k, k, D, j->simd) + 1e-6f);
+            float qn = (float)(1.0 / sqrt(kk_dot_d(q, q, D, j->simd) + 1e-6));
+            float kn = (float)(1.0 / sqrt(kk_dot_d(k, k, D, j->simd) + 1e-6));
             float kh[1024];
             for (int d = 0; d < D; d++) {
                 kh[d] = k[d] * kn;
@@ -66,25 +67,27 @@ static void kda_heads(void *vctx, int hb, int he) {
             float beta = j->beta[(size_t)t * H + h];
             /* decay, read, write, then output from the updated state */
             for (int i = 0; i < D; i++) {
-                float alpha = expf(c->gate_lower_bound * kk_sigmoid(expA * z[i]));
+                /* the decay in double, rounded once (float steps would add ulps) */
+                float alpha = (float)exp((double)c->gate_lower_bound / (1.0 + exp(-expA * (double)z[i])));
                 float *row = S + (size_t)i * D;
                 for (int jj = 0; jj < D; jj++) row[jj] = alpha * row[jj];
             }
-            for (int jj = 0; jj < D; jj++) u[jj] = 0.0f;
+            for (int jj = 0; jj < D; jj++) ud[jj] = 0.0;
             for (int i = 0; i < D; i++) {
                 const float *row = S + (size_t)i * D;
-                for (int jj = 0; jj < D; jj++) u[jj] = u[jj] + row[jj] * kh[i];
+                for (int jj = 0; jj < D; jj++) ud[jj] = ud[jj] + (double)row[jj] * (double)kh[i];
             }
-            for (int jj = 0; jj < D; jj++) u[jj] = beta * (v[jj] - u[jj]);
+            for (int jj = 0; jj < D; jj++) u[jj] = (float)((double)beta * ((double)v[jj] - ud[jj]));
             for (int i = 0; i < D; i++) {
                 float *row = S + (size_t)i * D;
                 for (int jj = 0; jj < D; jj++) row[jj] = row[jj] + kh[i] * u[jj];
             }
-            for (int jj = 0; jj < D; jj++) o[jj] = 0.0f;
+            for (int jj = 0; jj < D; jj++) od[jj] = 0.0;
             for (int i = 0; i < D; i++) {
                 const float *row = S + (size_t)i * D;
-                for (int jj = 0; jj < D; jj++) o[jj] = o[jj] + row[jj] * qs[i];
+                for (int jj = 0; jj < D; jj++) od[jj] = od[jj] + (double)row[jj] * (double)qs[i];
             }
+            for (int jj = 0; jj < D; jj++) o[jj] = (float)od[jj];
             /* per-head norm, then the gate */
             float *y = j->y + (size_t)t * P + h * D;
             kk_rmsnorm(o, j->ly->o_norm, D, K3_EPS_FIXED, y, j->simd);

@@ -2,8 +2,11 @@
  *
  * One reduction order everywhere: 8 lane accumulators (lane l takes elements
  * i = l mod 8 of the full blocks, the tail goes to lanes 0..), then the fixed tree
- * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).  Multiplies and adds round separately
- * (no FMA, -ffp-contract=off), so the AVX2 path gives the scalar path's bits.
+ * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).  The lanes are doubles: the product of two
+ * floats is exact in double, so only the adds round, and they round 2^29 times finer
+ * than float lanes would (logits come out float64-close).  The sum is rounded to float
+ * once, at the end.  -ffp-contract=off keeps multiplies and adds apart, so the AVX2
+ * path gives the scalar path's bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -14,6 +17,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define K3_X86 1
 #include <immintrin.h>
+/* FMA on doubles gives mul-then-add bits here: the product of two floats is exact in
+ * double, so the fused op rounds once, where the separate add would. */
+#define K3_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
 float kk_bf16_to_f32(uint16_t v) {
@@ -46,89 +52,153 @@ float kk_f16_to_f32(uint16_t h) {
     return f;
 }
 
-static float kk_tree(const float a[8]) {
+static double kk_tree(const double a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-static float kk_dot_scalar(const float *x, const float *y, int n) {
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+/* (double)x * (double)y is exact: 24-bit significands give at most 48 bits. */
+static double kk_dot_scalar(const float *x, const float *y, int n) {
+    double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int n8 = n & ~7, i;
     for (i = 0; i < n8; i += 8)
-        for (int l = 0; l < 8; l++) a[l] = a[l] + x[i + l] * y[i + l];
-    for (; i < n; i++) a[i - n8] = a[i - n8] + x[i] * y[i];
+        for (int l = 0; l < 8; l++) a[l] = a[l] + (double)x[i + l] * (double)y[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + (double)x[i] * (double)y[i];
     return kk_tree(a);
 }
 
-static float kk_dot_bf16_scalar(const uint16_t *w, const float *x, int n) {
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+static double kk_dot_bf16_scalar(const uint16_t *w, const float *x, int n) {
+    double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int n8 = n & ~7, i;
     for (i = 0; i < n8; i += 8)
-        for (int l = 0; l < 8; l++) a[l] = a[l] + kk_bf16_to_f32(w[i + l]) * x[i + l];
-    for (; i < n; i++) a[i - n8] = a[i - n8] + kk_bf16_to_f32(w[i]) * x[i];
+        for (int l = 0; l < 8; l++) a[l] = a[l] + (double)kk_bf16_to_f32(w[i + l]) * (double)x[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_bf16_to_f32(w[i]) * (double)x[i];
     return kk_tree(a);
 }
 
-static float kk_dot_f16_scalar(const uint16_t *w, const float *x, int n) {
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+static double kk_dot_f16_scalar(const uint16_t *w, const float *x, int n) {
+    double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int n8 = n & ~7, i;
     for (i = 0; i < n8; i += 8)
-        for (int l = 0; l < 8; l++) a[l] = a[l] + kk_f16_to_f32(w[i + l]) * x[i + l];
-    for (; i < n; i++) a[i - n8] = a[i - n8] + kk_f16_to_f32(w[i]) * x[i];
+        for (int l = 0; l < 8; l++) a[l] = a[l] + (double)kk_f16_to_f32(w[i + l]) * (double)x[i + l];
+    for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_f16_to_f32(w[i]) * (double)x[i];
     return kk_tree(a);
 }
 
 #ifdef K3_X86
 int kk_cpu_has_avx2(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-__attribute__((target("avx2"))) static float kk_hsum_tree(__m256 acc, float *lanes_out) {
+/* The 8 double lanes live in two registers: lo holds lanes 0..3, hi lanes 4..7. */
+typedef struct {
+    __m256d lo, hi;
+} kk_lanes;
+
+/* lanes += w * x for 8 floats each (exact products, one rounding per add). */
+K3_AVX2 static inline void kk_lanes_madd(kk_lanes *a, __m256 w, __m256 x) {
+    __m256d wl = _mm256_cvtps_pd(_mm256_castps256_ps128(w)), wh = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+    __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    a->lo = _mm256_fmadd_pd(wl, xl, a->lo);
+    a->hi = _mm256_fmadd_pd(wh, xh, a->hi);
+}
+
+/* The same with x already widened (xd: 8 doubles): x is shared by every row of a matmul,
+ * so it is widened once per call instead of once per row. */
+K3_AVX2 static inline void kk_lanes_madd_xd(kk_lanes *a, __m256 w, const double *xd) {
+    __m256d wl = _mm256_cvtps_pd(_mm256_castps256_ps128(w)), wh = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+    a->lo = _mm256_fmadd_pd(wl, _mm256_loadu_pd(xd), a->lo);
+    a->hi = _mm256_fmadd_pd(wh, _mm256_loadu_pd(xd + 4), a->hi);
+}
+
+K3_AVX2 static double kk_hsum_tree(kk_lanes a) {
     /* Same tree as kk_tree: (lo+hi) gives a0+a4..a3+a7, then pairs, then the last add. */
-    __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
-    __m128 s = _mm_add_ps(lo, hi);            /* s0=a0+a4 s1=a1+a5 s2=a2+a6 s3=a3+a7 */
-    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s)); /* t0=s0+s2 t1=s1+s3 */
-    __m128 r = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-    (void)lanes_out;
-    return _mm_cvtss_f32(r);
+    __m256d s = _mm256_add_pd(a.lo, a.hi); /* s0=a0+a4 s1=a1+a5 s2=a2+a6 s3=a3+a7 */
+    __m128d t = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1)); /* t0=s0+s2 t1=s1+s3 */
+    return _mm_cvtsd_f64(_mm_add_sd(t, _mm_unpackhi_pd(t, t)));
 }
 
-__attribute__((target("avx2"))) static float kk_dot_avx2(const float *x, const float *y, int n) {
-    __m256 acc = _mm256_setzero_ps();
+K3_AVX2 static void kk_lanes_store(kk_lanes a, double out[8]) {
+    _mm256_storeu_pd(out, a.lo);
+    _mm256_storeu_pd(out + 4, a.hi);
+}
+
+K3_AVX2 static double kk_dot_avx2(const float *x, const float *y, int n) {
+    kk_lanes acc = {_mm256_setzero_pd(), _mm256_setzero_pd()};
     int n8 = n & ~7, i;
-    for (i = 0; i < n8; i += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (i = 0; i < n8; i += 8) kk_lanes_madd(&acc, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
     if (i < n) {
-        float a[8];
-        _mm256_storeu_ps(a, acc);
-        for (; i < n; i++) a[i - n8] = a[i - n8] + x[i] * y[i];
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)x[i] * (double)y[i];
         return kk_tree(a);
     }
-    return kk_hsum_tree(acc, NULL);
+    return kk_hsum_tree(acc);
 }
 
-__attribute__((target("avx2"))) static float kk_dot_bf16_avx2(const uint16_t *w, const float *x,
-                                                               int n) {
-    __m256 acc = _mm256_setzero_ps();
+K3_AVX2 static double kk_dot_bf16_avx2(const uint16_t *w, const float *x,
+                                                                int n) {
+    kk_lanes acc = {_mm256_setzero_pd(), _mm256_setzero_pd()};
     int n8 = n & ~7, i;
     for (i = 0; i < n8; i += 8) {
         __m128i h = _mm_loadu_si128((const __m128i *)(w + i));
         __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(wf, _mm256_loadu_ps(x + i)));
+        kk_lanes_madd(&acc, wf, _mm256_loadu_ps(x + i));
     }
     if (i < n) {
-        float a[8];
-        _mm256_storeu_ps(a, acc);
-        for (; i < n; i++) a[i - n8] = a[i - n8] + kk_bf16_to_f32(w[i]) * x[i];
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_bf16_to_f32(w[i]) * (double)x[i];
         return kk_tree(a);
     }
-    return kk_hsum_tree(acc, NULL);
+    return kk_hsum_tree(acc);
+}
+
+/* kk_dot_avx2 with y widened beforehand (same order, same bits). */
+K3_AVX2 static double kk_dot_xd_avx2(const float *x, const double *yd, int n) {
+    kk_lanes acc = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) kk_lanes_madd_xd(&acc, _mm256_loadu_ps(x + i), yd + i);
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)x[i] * yd[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
+}
+
+/* kk_dot_bf16_avx2 with x widened beforehand (same order, same bits). */
+K3_AVX2 static double kk_dot_bf16_xd_avx2(const uint16_t *w, const double *xd, int n) {
+    kk_lanes acc = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(w + i));
+        kk_lanes_madd_xd(&acc, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), xd + i);
+    }
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_bf16_to_f32(w[i]) * xd[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
 }
 #else
 int kk_cpu_has_avx2(void) { return 0; }
 #endif
 
-float kk_dot(const float *a, const float *b, int n, int simd) {
+/* X [ntok rows of ldx] widened to doubles [ntok, cols]; NULL when out of memory (the
+ * callers then take the float-x kernels, which give the same bits). */
+static double *kk_widen(const float *X, int ldx, int ntok, int cols) {
+    double *xd = (double *)malloc(sizeof(double) * (size_t)ntok * (size_t)cols);
+    if (!xd) return NULL;
+    for (int t = 0; t < ntok; t++)
+        for (int i = 0; i < cols; i++) xd[(size_t)t * cols + i] = X[(size_t)t * ldx + i];
+    return xd;
+}
+
+double kk_dot_d(const float *a, const float *b, int n, int simd) {
 #ifdef K3_X86
     if (simd) return kk_dot_avx2(a, b, n);
 #endif
@@ -136,7 +206,9 @@ float kk_dot(const float *a, const float *b, int n, int simd) {
     return kk_dot_scalar(a, b, n);
 }
 
-float kk_dot_row(const kk_mat *w, int row, const float *x, int simd) {
+float kk_dot(const float *a, const float *b, int n, int simd) { return (float)kk_dot_d(a, b, n, simd); }
+
+static double kk_dot_row_d(const kk_mat *w, int row, const float *x, int simd) {
     size_t off = (size_t)row * (size_t)w->cols;
     switch (w->dtype) {
     case K3_DT_BF16: {
@@ -150,9 +222,11 @@ float kk_dot_row(const kk_mat *w, int row, const float *x, int simd) {
         /* rare in checkpoints: portable path only (same order, so same bits) */
         return kk_dot_f16_scalar((const uint16_t *)w->data + off, x, w->cols);
     default:
-        return kk_dot((const float *)w->data + off, x, w->cols, simd);
+        return kk_dot_d((const float *)w->data + off, x, w->cols, simd);
     }
 }
+
+float kk_dot_row(const kk_mat *w, int row, const float *x, int simd) { return (float)kk_dot_row_d(w, row, x, simd); }
 
 typedef struct {
     const kk_mat *w;
@@ -160,10 +234,22 @@ typedef struct {
     int ldx, ntok;
     float *Y;
     int ldy, simd;
+    const double *Xd; /* X widened ([ntok, cols]) for the AVX2 BF16 kernel, or NULL */
 } kk_mm_job;
 
 static void kk_mm_rows(void *vctx, int b, int e) {
     kk_mm_job *j = (kk_mm_job *)vctx;
+#ifdef K3_X86
+    if (j->Xd) {
+        int n = j->w->cols;
+        const uint16_t *base = (const uint16_t *)j->w->data;
+        for (int r = b; r < e; r++)
+            for (int t = 0; t < j->ntok; t++)
+                j->Y[(size_t)t * j->ldy + r] =
+                    (float)kk_dot_bf16_xd_avx2(base + (size_t)r * n, j->Xd + (size_t)t * n, n);
+        return;
+    }
+#endif
     for (int r = b; r < e; r++)
         for (int t = 0; t < j->ntok; t++)
             j->Y[(size_t)t * j->ldy + r] = kk_dot_row(j->w, r, j->X + (size_t)t * j->ldx, j->simd);
@@ -171,10 +257,12 @@ static void kk_mm_rows(void *vctx, int b, int e) {
 
 void kk_matmul(const kk_ctx *c, const kk_mat *w, const float *X, int ldx, int ntok, float *Y,
                int ldy) {
-    kk_mm_job j = {w, X, ldx, ntok, Y, ldy, c->simd};
+    double *xd = c->simd && w->dtype == K3_DT_BF16 ? kk_widen(X, ldx, ntok, w->cols) : NULL;
+    kk_mm_job j = {w, X, ldx, ntok, Y, ldy, c->simd, xd};
     /* Small matrices are not worth waking the pool. */
     int nt = ((size_t)w->rows * w->cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
     kp_parallel_for(nt, w->rows, kk_mm_rows, &j);
+    free(xd);
 }
 
 /* E2M1 code values (OCP MX), bit 3 is the sign. */
@@ -207,7 +295,7 @@ void kk_mxfp4_decode_row(const uint8_t *packed, const uint8_t *scales, int cols,
 static const int8_t kk_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* 32 weights of one group as 4 x 8 floats, in column order. */
-__attribute__((target("avx2"))) static void kk_mx_group_avx2(const uint8_t *p, float half_scale,
+K3_AVX2 static void kk_mx_group_avx2(const uint8_t *p, float half_scale,
                                                              __m256 out[4]) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)kk_e2m1_x2);
     const __m128i m4 = _mm_set1_epi8(0x0f);
@@ -232,7 +320,7 @@ static float kk_half_scale(uint8_t s) {
 }
 
 /* Decode a row into floats (same values as the scalar decoder up to the sign of zero). */
-__attribute__((target("avx2"))) static void kk_mx_decode_row_avx2(const uint8_t *packed, const uint8_t *scales,
+K3_AVX2 static void kk_mx_decode_row_avx2(const uint8_t *packed, const uint8_t *scales,
                                                                   int cols, float *out, uint64_t *nan_groups) {
     for (int g = 0; g < cols / 32; g++) {
         if (scales[g] == 255) {
@@ -249,15 +337,13 @@ __attribute__((target("avx2"))) static void kk_mx_decode_row_avx2(const uint8_t 
 /* NR rows times one token, fused: each row keeps kk_dot's lane order over its decoded
  * weights; several rows run side by side only to hide the add latency. */
 #define KK_MX_ROWS 4
-__attribute__((target("avx2"))) static void kk_mx_dot_rows_avx2(const uint8_t *packed, const uint8_t *scales,
-                                                                int nr, int cols, const float *x, float *y,
+K3_AVX2 static void kk_mx_dot_rows_avx2(const uint8_t *packed, const uint8_t *scales,
+                                                                int nr, int cols, const double *xd, float *y,
                                                                 uint64_t *nan_groups) {
     size_t pr = (size_t)cols / 2, sr = (size_t)cols / 32;
-    __m256 acc[KK_MX_ROWS];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    kk_lanes acc[KK_MX_ROWS];
+    for (int r = 0; r < nr; r++) acc[r].lo = acc[r].hi = _mm256_setzero_pd();
     for (int g = 0; g < cols / 32; g++) {
-        __m256 xv[4];
-        for (int q = 0; q < 4; q++) xv[q] = _mm256_loadu_ps(x + g * 32 + q * 8);
         for (int r = 0; r < nr; r++) {
             uint8_t sb = scales[r * sr + g];
             __m256 w[4];
@@ -267,10 +353,10 @@ __attribute__((target("avx2"))) static void kk_mx_dot_rows_avx2(const uint8_t *p
             } else {
                 kk_mx_group_avx2(packed + r * pr + g * 16, kk_half_scale(sb), w);
             }
-            for (int q = 0; q < 4; q++) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w[q], xv[q]));
+            for (int q = 0; q < 4; q++) kk_lanes_madd_xd(&acc[r], w[q], xd + g * 32 + q * 8);
         }
     }
-    for (int r = 0; r < nr; r++) y[r] = kk_hsum_tree(acc[r], NULL);
+    for (int r = 0; r < nr; r++) y[r] = (float)kk_hsum_tree(acc[r]);
 }
 #endif
 
@@ -282,16 +368,17 @@ typedef struct {
     float *Y;
     int ldy, simd;
     uint64_t *nan_groups;
+    const double *Xd; /* X widened ([ntok, cols]) for the AVX2 kernels, or NULL */
 } kk_mx_job;
 
 static void kk_mx_rows(void *vctx, int b, int e) {
     kk_mx_job *j = (kk_mx_job *)vctx;
     size_t pr = (size_t)j->cols / 2, sr = (size_t)j->cols / 32;
 #ifdef K3_X86
-    if (j->simd && j->ntok == 1) {
+    if (j->Xd && j->ntok == 1) {
         for (int r = b; r < e; r += KK_MX_ROWS) {
             int nr = e - r < KK_MX_ROWS ? e - r : KK_MX_ROWS;
-            kk_mx_dot_rows_avx2(j->packed + r * pr, j->scales + r * sr, nr, j->cols, j->X, j->Y + r, j->nan_groups);
+            kk_mx_dot_rows_avx2(j->packed + r * pr, j->scales + r * sr, nr, j->cols, j->Xd, j->Y + r, j->nan_groups);
         }
         return;
     }
@@ -304,31 +391,45 @@ static void kk_mx_rows(void *vctx, int b, int e) {
         else
 #endif
             kk_mxfp4_decode_row(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
-        for (int t = 0; t < j->ntok; t++)
+        for (int t = 0; t < j->ntok; t++) {
+#ifdef K3_X86
+            if (j->Xd) {
+                j->Y[(size_t)t * j->ldy + r] = (float)kk_dot_xd_avx2(row, j->Xd + (size_t)t * j->cols, j->cols);
+                continue;
+            }
+#endif
             j->Y[(size_t)t * j->ldy + r] = kk_dot(row, j->X + (size_t)t * j->ldx, j->cols, j->simd);
+        }
     }
 }
 
 void kk_mxfp4_matmul(const kk_ctx *c, const uint8_t *packed, const uint8_t *scales, int rows,
                      int cols, const float *X, int ldx, int ntok, float *Y, int ldy,
                      uint64_t *nan_groups) {
-    kk_mx_job j = {packed, scales, rows, cols, X, ldx, ntok, Y, ldy, c->simd, nan_groups};
+    double *xd = c->simd ? kk_widen(X, ldx, ntok, cols) : NULL;
+    kk_mx_job j = {packed, scales, rows, cols, X, ldx, ntok, Y, ldy, c->simd, nan_groups, xd};
     int nt = ((size_t)rows * cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
     kp_parallel_for(nt, rows, kk_mx_rows, &j);
+    free(xd);
 }
 
 void kk_rmsnorm(const float *x, const float *w, int n, float eps, float *out, int simd) {
-    float ss = kk_dot(x, x, n, simd);
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    /* the mean square and its root in double; one rounding to float at the end */
+    double ss = kk_dot_d(x, x, n, simd);
+    float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
     for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
 }
 
-float kk_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* The activations are evaluated in double and rounded once, so each is within half an
+ * ulp of float64's value (float libm calls and float steps would add several ulps). */
+static double kk_sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-float kk_silu(float x) { return x * kk_sigmoid(x); }
+float kk_sigmoid(float x) { return (float)kk_sigmoid_d(x); }
+
+float kk_silu(float x) { return (float)((double)x * kk_sigmoid_d(x)); }
 
 float kk_situ(float g, float v, float b1, float b2) {
     /* the sigmoid takes the uncapped gate */
-    float gate = (b1 * tanhf(g / b1)) * kk_sigmoid(g);
-    return gate * (b2 * tanhf(v / b2));
+    double gate = ((double)b1 * tanh((double)g / b1)) * kk_sigmoid_d(g);
+    return (float)(gate * ((double)b2 * tanh((double)v / b2)));
 }

@@ -24,23 +24,26 @@ typedef struct {
     const float *rows; /* cache rows [pos, W] */
     const float *q;    /* [ntok, H*dqk] */
     float *o;          /* [ntok, H*dv] */
-    float *work;       /* per head: qabs R + ctx R + scores npos */
+    float *work;       /* per head: qabs R + ctx R */
+    double *dwork;     /* per head: their double sums 2R + scores npos */
     int pos0, ntok, simd;
 } mla_job;
 
-/* acc[x] += W[r][x] * a over one row: element-wise, so vectorising it moves no bits. */
-static void mla_axpy_row(const kk_mat *w, int r, float a, float *acc) {
+/* acc[x] += W[r][x] * a over one row, in double (exact products, as every reduction):
+ * element-wise, so vectorising it moves no bits. */
+static void mla_axpy_row(const kk_mat *w, int r, float a, double *acc) {
     size_t off = (size_t)r * w->cols;
     int n = w->cols;
+    double ad = a;
     if (w->dtype == K3_DT_BF16) {
         const uint16_t *p = (const uint16_t *)w->data + off;
-        for (int x = 0; x < n; x++) acc[x] = acc[x] + kk_bf16_to_f32(p[x]) * a;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + (double)kk_bf16_to_f32(p[x]) * ad;
     } else if (w->dtype == K3_DT_F16) {
         const uint16_t *p = (const uint16_t *)w->data + off;
-        for (int x = 0; x < n; x++) acc[x] = acc[x] + kk_f16_to_f32(p[x]) * a;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + (double)kk_f16_to_f32(p[x]) * ad;
     } else {
         const float *p = (const float *)w->data + off;
-        for (int x = 0; x < n; x++) acc[x] = acc[x] + p[x] * a;
+        for (int x = 0; x < n; x++) acc[x] = acc[x] + (double)p[x] * ad;
     }
 }
 
@@ -49,36 +52,40 @@ static void mla_heads(void *vctx, int hb, int he) {
     const k3_config *c = &j->m->cfg;
     int dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, R = c->kv_lora_rank;
     int dqk = dn + dr, W = R + dr, npos = j->pos0 + j->ntok;
-    float scale = 1.0f / sqrtf((float)dqk);
+    double scale = 1.0 / sqrt((double)dqk);
     const kk_mat *kvb = &j->ly->kv_b;
     for (int h = hb; h < he; h++) {
         /* each head has its own work rows, so any split over threads is fine */
-        float *qabs = j->work + (size_t)h * (2 * R + npos), *ctx = qabs + R, *p = ctx + R;
+        float *qabs = j->work + (size_t)h * 2 * R, *ctx = qabs + R;
+        double *qd = j->dwork + (size_t)h * (2 * R + npos), *cd = qd + R, *p = cd + R;
         int kb0 = h * (dn + dv), vb0 = kb0 + dn;
         for (int t = 0; t < j->ntok; t++) {
             const float *q = j->q + (size_t)t * c->mla_heads * dqk + (size_t)h * dqk;
             /* absorb W_kb^h into the query: qabs = W_kb^h^T q_nope, d ascending */
-            for (int x = 0; x < R; x++) qabs[x] = 0.0f;
-            for (int d = 0; d < dn; d++) mla_axpy_row(kvb, kb0 + d, q[d], qabs);
+            for (int x = 0; x < R; x++) qd[x] = 0.0;
+            for (int d = 0; d < dn; d++) mla_axpy_row(kvb, kb0 + d, q[d], qd);
+            for (int x = 0; x < R; x++) qabs[x] = (float)qd[x];
             int last = j->pos0 + t; /* causal: s <= t, including t */
-            float mx = -INFINITY;
+            double mx = -INFINITY;
+            /* scores, softmax and the context sum in double; ctx is rounded once */
             for (int s = 0; s <= last; s++) {
                 const float *row = j->rows + (size_t)s * W;
-                float sc = (kk_dot(qabs, row, R, j->simd) + kk_dot(q + dn, row + R, dr, j->simd)) * scale;
+                double sc = (kk_dot_d(qabs, row, R, j->simd) + kk_dot_d(q + dn, row + R, dr, j->simd)) * scale;
                 p[s] = sc;
                 if (sc > mx) mx = sc;
             }
-            float sum = 0.0f;
+            double sum = 0.0;
             for (int s = 0; s <= last; s++) {
-                p[s] = expf(p[s] - mx);
+                p[s] = exp(p[s] - mx);
                 sum = sum + p[s];
             }
-            for (int x = 0; x < R; x++) ctx[x] = 0.0f;
+            for (int x = 0; x < R; x++) cd[x] = 0.0;
             for (int s = 0; s <= last; s++) {
-                float ps = p[s] / sum;
+                double ps = p[s] / sum;
                 const float *row = j->rows + (size_t)s * W;
-                for (int x = 0; x < R; x++) ctx[x] = ctx[x] + ps * row[x];
+                for (int x = 0; x < R; x++) cd[x] = cd[x] + ps * (double)row[x];
             }
+            for (int x = 0; x < R; x++) ctx[x] = (float)cd[x];
             float *o = j->o + (size_t)t * c->mla_heads * dv + (size_t)h * dv;
             for (int d = 0; d < dv; d++) o[d] = kk_dot_row(kvb, vb0 + d, ctx, j->simd);
         }
@@ -108,11 +115,17 @@ int mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, co
         memcpy(row + R, src + R, sizeof(float) * (size_t)dr);
     }
     size_t per_head = (size_t)2 * R + (size_t)pos0 + (size_t)ntok;
-    float *work = (float *)malloc(sizeof(float) * per_head * (size_t)H);
-    if (!work) return K3_ERR_NOMEM;
-    mla_job j = {m, ly, rows, q, o, work, pos0, ntok, kc.simd};
+    float *work = (float *)malloc(sizeof(float) * 2 * (size_t)R * (size_t)H);
+    double *dwork = (double *)malloc(sizeof(double) * per_head * (size_t)H);
+    if (!work || !dwork) {
+        free(work);
+        free(dwork);
+        return K3_ERR_NOMEM;
+    }
+    mla_job j = {m, ly, rows, q, o, work, dwork, pos0, ntok, kc.simd};
     kp_parallel_for(kc.nthreads, H, mla_heads, &j);
     free(work);
+    free(dwork);
     /* gate, then project; no norm */
     kk_matmul(&kc, &ly->g_proj_mla, xn, E, ntok, gate, H * dv);
     for (size_t i = 0; i < (size_t)ntok * H * dv; i++) gate[i] = kk_sigmoid(gate[i]) * o[i];

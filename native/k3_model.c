@@ -8,7 +8,7 @@
 
 #include "k3_internal.h"
 
-#define KM_CHUNK 64
+#define KM_CHUNK 64 /* prefill tokens per pass when the open options give none */
 
 void km_kk_ctx(const k3_model *m, kk_ctx *c) {
     c->nthreads = m->nthreads;
@@ -16,32 +16,31 @@ void km_kk_ctx(const k3_model *m, kk_ctx *c) {
 }
 
 /* AttnRes over sources src[0..n) for ntok tokens: softmax over key-normalised scores,
- * output the softmax-weighted sum of the raw sources in source order. */
+ * output the softmax-weighted sum of the raw sources in source order.  Scores, softmax
+ * and the weighted sum are in double (as every reduction); each output rounds once. */
 static void km_attn_res(const k3_model *m, float *const *src, int n, const float *u, int ntok,
                         float *out, int simd) {
     int E = m->cfg.hidden;
-    float z[K3_MAX_LAYERS + 2];
+    double z[K3_MAX_LAYERS + 2];
     for (int t = 0; t < ntok; t++) {
-        float mx = -INFINITY;
+        double mx = -INFINITY;
         for (int s = 0; s < n; s++) {
             const float *v = src[s] + (size_t)t * E;
-            float inv = 1.0f / sqrtf(kk_dot(v, v, E, simd) / (float)E + K3_EPS_FIXED);
-            z[s] = kk_dot(v, u, E, simd) * inv;
+            double inv = 1.0 / sqrt(kk_dot_d(v, v, E, simd) / (double)E + (double)K3_EPS_FIXED);
+            z[s] = kk_dot_d(v, u, E, simd) * inv;
             if (z[s] > mx) mx = z[s];
         }
-        float sum = 0.0f;
+        double sum = 0.0;
         for (int s = 0; s < n; s++) {
-            z[s] = expf(z[s] - mx);
+            z[s] = exp(z[s] - mx);
             sum = sum + z[s];
         }
+        for (int s = 0; s < n; s++) z[s] = z[s] / sum;
         float *o = out + (size_t)t * E;
-        for (int s = 0; s < n; s++) {
-            float p = z[s] / sum;
-            const float *v = src[s] + (size_t)t * E;
-            if (s == 0)
-                for (int i = 0; i < E; i++) o[i] = p * v[i];
-            else
-                for (int i = 0; i < E; i++) o[i] = o[i] + p * v[i];
+        for (int i = 0; i < E; i++) {
+            double acc = 0.0;
+            for (int s = 0; s < n; s++) acc = acc + z[s] * (double)src[s][(size_t)t * E + i];
+            o[i] = (float)acc;
         }
     }
 }
@@ -196,7 +195,7 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         return K3_ERR_INVALID;
     }
     /* the shared KDA slot only holds within one pass over the whole sequence */
-    int chunk = st->shared_slot ? n : KM_CHUNK;
+    int chunk = st->shared_slot ? n : (m->opts.prefill_chunk > 0 ? m->opts.prefill_chunk : KM_CHUNK);
     for (int done = 0; done < n;) {
         int cn = n - done < chunk ? n - done : chunk;
         int last_chunk = done + cn == n;

@@ -111,12 +111,12 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
         float *s = logits + t * ne;
         for (int e = 0; e < ne; e++) s[e] = kk_sigmoid(s[e]);
         moe_select(s, ly->router_bias, ne, k, sel + t * k);
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum = sum + s[sel[t * k + j]];
+        double sum = 0.0; /* in double, as every reduction */
+        for (int j = 0; j < k; j++) sum = sum + (double)s[sel[t * k + j]];
         for (int j = 0; j < k; j++) {
-            float w = s[sel[t * k + j]];
-            if (k > 1 && c->moe_renormalize) w = w / (sum + 1e-20f);
-            wts[t * k + j] = w * c->routed_scaling;
+            double w = s[sel[t * k + j]];
+            if (k > 1 && c->moe_renormalize) w = w / (sum + 1e-20);
+            wts[t * k + j] = (float)(w * (double)c->routed_scaling);
         }
     }
     kk_matmul(&kc, &ly->lat_down, xn, E, ntok, z, l);
@@ -169,11 +169,11 @@ int moe_forward(k3_model *m, int L, const km_layer *ly, const float *xn, int nto
     /* weighted sum in list order, one norm on the aggregate, then up */
     for (size_t t = 0; t < T; t++) {
         float *ut = u + t * l;
-        for (int x = 0; x < l; x++) ut[x] = 0.0f;
-        for (int j = 0; j < k; j++) {
-            const float *h = he + (t * k + j) * l;
-            float w = wts[t * k + j];
-            for (int x = 0; x < l; x++) ut[x] = ut[x] + w * h[x];
+        const float *ht = he + t * k * l, *wt = wts + t * k;
+        for (int x = 0; x < l; x++) {
+            double acc = 0.0; /* in double, list order */
+            for (int j = 0; j < k; j++) acc = acc + (double)wt[j] * (double)ht[(size_t)j * l + x];
+            ut[x] = (float)acc;
         }
         kk_rmsnorm(ut, ly->lat_norm, l, K3_EPS_FIXED, un + t * l, kc.simd);
     }

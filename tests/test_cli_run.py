@@ -31,7 +31,7 @@ def test_run_ids_matches_oracle(tiny_dir: Path, tiny_oracle: dict[str, np.ndarra
     first = np.array(res["logits_first"], dtype=np.float64)
     ref = tiny_oracle["logits"][11].astype(np.float64)
     assert first.shape == ref.shape
-    assert np.abs(first - ref).max() <= 5e-5 * max(1.0, np.abs(ref).max())
+    assert np.abs(first - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())  # G6 (issue 10)
     assert res["seconds_per_token"] > 0
     assert res["interrupted"] is False and res["error"] is None
 

@@ -14,6 +14,9 @@ from k3engine.model import Cancelled, CancelFlag, EngineError, Model
 
 PROMPT = 12
 T = 32
+# G6, tightened from the spec's 5e-5 (issue 10): the engine sums in double, so its logits
+# are float64-close; float32 lanes gave up to 1.4e-5 (tiny, weight seed 7) and fail this.
+ORACLE_REL_TOL = 1e-5
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -103,13 +106,33 @@ def test_g5b_shared_kda_scratch_slot(model: Model, full_ids: list[int], g1_logit
     assert same_bits(model.forward(full_ids, shared_kda_slot=True), g1_logits)
 
 
-def test_g6_oracle_tolerance(g1_logits: np.ndarray, tiny_oracle: dict[str, np.ndarray]) -> None:
-    ref = tiny_oracle["logits"].astype(np.float64)
-    err = np.abs(g1_logits.astype(np.float64) - ref).max(axis=1)
-    bound = 5e-5 * np.maximum(1.0, np.abs(ref).max(axis=1))
-    print(f"G6: max |engine - oracle| = {err.max():.3e} (bound {bound.min():.2e}); "
+def assert_oracle_close(engine: np.ndarray, ref: np.ndarray, label: str) -> None:
+    """Every position: max_v |engine - oracle| <= ORACLE_REL_TOL * max(1, max_v |oracle|)."""
+    ref = ref.astype(np.float64)
+    err = np.abs(engine.astype(np.float64) - ref).max(axis=1)
+    bound = ORACLE_REL_TOL * np.maximum(1.0, np.abs(ref).max(axis=1))
+    print(f"G6 {label}: max |engine - oracle| = {err.max():.3e} (bound {bound.min():.2e}); "
           f"worst position {int(err.argmax())}")
     assert (err <= bound).all()
+
+
+def test_g6_oracle_tolerance(g1_logits: np.ndarray, tiny_oracle: dict[str, np.ndarray]) -> None:
+    assert_oracle_close(g1_logits, tiny_oracle["logits"], "tiny")
+
+
+def test_g6_oracle_tolerance_other_weight_seed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same gate on the tiny shape with weight seed 7, where float32 sums missed it."""
+    from k3engine.fixture import write_fixture
+
+    d = tmp_path_factory.mktemp("tiny_seed7")
+    write_fixture("tiny", d, seed=7)
+    with np.load(d / "oracle.npz") as z:
+        ids, ref = [int(x) for x in z["full_ids"]], z["logits"]
+    m = Model(d, threads=1)
+    assert_oracle_close(m.forward(ids), ref, "tiny seed 7")
+    if m.simd_active:  # the scalar kernels sum the same way, so they meet it too
+        m.set_scalar(True)
+        assert_oracle_close(m.forward(ids), ref, "tiny seed 7, scalar")
 
 
 def test_g7_scrambled_twin(tiny_scrambled_dir: Path, model: Model, full_ids: list[int],

@@ -118,3 +118,33 @@ def test_engine_matvec_on_real_bytes(real_sample: dict, simd: int) -> None:
     x = ((np.arange(cols) % 7) - 3).astype(np.float32)[None, :]
     y, _ = mx_matmul(packed[:4], scales[:4], x, simd=simd)
     assert list(map(float, y[0])) == [3.6796875, -3.0625, -1.88671875, -0.78125]  # spec 4: exact
+
+
+def _lane0_cancellation(cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lane 0 of the 8-lane order meets 2^24, then 1, then -2^24 (elements 0, 8, 16).
+
+    The exact sum is 1. A float32 lane rounds 2^24 + 1 back to 2^24 and returns 0; a
+    double lane keeps the 1."""
+    a = np.zeros(cols, dtype=np.float32)
+    a[0], a[8], a[16] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    return a, np.ones(cols, dtype=np.float32)
+
+
+@pytest.mark.parametrize("simd", [0, 1])
+def test_bf16_dot_sums_in_double(simd: int) -> None:
+    w, x = _lane0_cancellation(40)
+    w16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # 2^24, 1 and -2^24 are exact in BF16
+    y = np.empty((1, 1), dtype=np.float32)
+    assert lib.k3_kernel_bf16(ffi.from_buffer("uint16_t[]", w16), 1, 40, ffi.from_buffer("float[]", x),
+                              1, ffi.from_buffer("float[]", y), simd, 1) == 0
+    assert float(y[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("ntok", [1, 2])  # the fused one-token kernel and the decode-row path
+@pytest.mark.parametrize("simd", [0, 1])
+def test_mxfp4_dot_sums_in_double(simd: int, ntok: int) -> None:
+    x, _ = _lane0_cancellation(64)
+    packed = np.full((1, 32), 0x22, dtype=np.uint8)   # every weight is code 2 = 1.0 ...
+    scales = np.full((1, 2), 127, dtype=np.uint8)     # ... times 2^0
+    y, _ = mx_matmul(packed, scales, np.tile(x, (ntok, 1)), simd=simd)
+    assert y.tolist() == [[1.0]] * ntok

@@ -615,7 +615,7 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "expert_cache_bytes": plan["expert_slots"] * plan["expert_slot_bytes"],
         "reader_threads": 8, "direct_io": True, "lookahead": 2, "prefetch": True,
         "trunk_stream": True, "ring_slots": 2, "pinned": plan["pinned_layers"],
-        "embed_stream": True}
+        "embed_stream": True, "prefill_chunk": plan["prefill_chunk"]}
 
 
 def test_plan_json_is_written_0600_like_run_json(tiny: Path, tmp_path: Path, capsys,
