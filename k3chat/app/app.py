@@ -591,7 +591,9 @@ class K3ChatApp(App[int]):
                 engine = self.engine
                 assert engine is not None and text is not None
                 store = HistoryStore(self.store.root, vault=self.store.vault)
-                created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name)
+                # a name made from the message is numbered when taken ("hello (2)"): names stay unique
+                created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name,
+                                       numbered=self.pending_name is None)
                 if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
                     store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
                 conv = self._new_conversation(created.id)
