@@ -47,7 +47,7 @@ from k3chat.events import (
     TurnDone,
     ignore,
 )
-from k3chat.history import HistoryStore
+from k3chat.history import STOPS, HistoryStore
 from k3chat.sampler import Sampler, SamplerSettings
 from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
 from k3chat.tokenizer import Tokenizer
@@ -234,6 +234,21 @@ def default_context(model_dir: str | Path | None) -> int:
 
     limit = model_max_positions(model_dir) if model_dir is not None else None
     return min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
+
+
+def stop_message(stop: str, generated: int) -> str | None:
+    """What an interrupted turn says about why it ended (None for a finished one); made from
+    the stored record too, so a redraw or a resume says the same."""
+    if stop == "end":
+        return None
+    if stop == "limit":
+        return (f"stopped at the {generated}-token limit before the model finished its answer; "
+                "what it said was kept, marked interrupted")
+    if stop == "cancelled":
+        return "stopped on request; what the model said so far was kept, marked interrupted"
+    if stop == "malformed":
+        return "the model's answer is malformed; what it said was kept, marked interrupted"
+    return "the turn failed; what the model said so far was kept, marked interrupted"
 
 
 def sampler_settings(
@@ -744,10 +759,12 @@ class Conversation:
                 for channel, text in parser.push(token):
                     if channel == "content" and phase != "answer":
                         phase = "answer"
+                        st.reasoning_s = time.perf_counter() - t1
                         emit(PhaseChanged("answer"))
                     emit(ReasoningToken(text) if channel == "reasoning" else AnswerToken(text))
                 if parser.channel == "content" and phase != "answer":
                     phase = "answer"
+                    st.reasoning_s = time.perf_counter() - t1
                     emit(PhaseChanged("answer"))
                 if token in self.grammar.end_ids:
                     stop = "end"  # never fed (spec 1.7)
@@ -792,20 +809,15 @@ class Conversation:
             except MalformedTurn as exc:
                 return (self.grammar.parse_lenient(generated, st.thinking), "malformed",
                         f"the model's answer is malformed ({exc.reason}); what it said was kept, marked interrupted")
-        parsed = self.grammar.parse_lenient(generated, st.thinking)
-        if stop == "limit":
-            return parsed, stop, (f"stopped at the {len(generated)}-token limit before the model finished its "
-                                  "answer; what it said was kept, marked interrupted")
-        if stop == "cancelled":
-            return parsed, stop, "stopped on request; what the model said so far was kept, marked interrupted"
-        return parsed, stop, "the turn failed; what the model said so far was kept, marked interrupted"
+        return self.grammar.parse_lenient(generated, st.thinking), stop, stop_message(stop, len(generated))
 
-    def _record(self, st: _TurnState, parsed: ParsedTurn, interrupted: bool, generated: list[int]) -> dict[str, Any]:
+    def _record(self, st: _TurnState, parsed: ParsedTurn, stop: str, generated: list[int]) -> dict[str, Any]:
         rec: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if st.thinking:
             rec["reasoning_content"] = parsed.reasoning or ""
-        if interrupted:
+        if stop != "end":
             rec["interrupted"] = True
+        rec["stop"] = stop  # kept so a redraw or a resume says what the turn said
         if self.model_name:
             rec["model"] = self.model_name
         rec["thinking"] = st.thinking
@@ -817,7 +829,12 @@ class Conversation:
                            "seed": s.seed})
         rec["tokens"] = {"prompt": st.prompt_tokens, "reused": st.reused,
                          "prefilled": st.prompt_tokens - st.reused, "generated": len(generated)}
+        if st.thinking:
+            rec["tokens"]["reasoning"] = self._reasoning_count(generated)
         speed = {}
+        thought_s = st.reasoning_s or st.decode_s  # no answer yet: all of the decoding was reasoning
+        if st.thinking and thought_s > 0:
+            speed["reasoning_seconds"] = round(thought_s, 3)
         if st.prefill_s > 0 and st.prompt_tokens > st.reused:
             speed["prefill_tokens_per_second"] = round((st.prompt_tokens - st.reused) / st.prefill_s, 3)
         if st.decode_s > 0 and len(generated) > 1:
@@ -825,6 +842,14 @@ class Conversation:
         if speed:
             rec["speed"] = speed
         return rec
+
+    def _reasoning_count(self, generated: Sequence[int]) -> int:
+        """Sampled ids before the reasoning/answer boundary (all of them without one)."""
+        n = len(self.grammar.boundary)
+        for i in range(len(generated) - n + 1):
+            if tuple(generated[i:i + n]) == tuple(self.grammar.boundary):
+                return i
+        return len(generated)
 
     def _result(self, st: _TurnState, record: dict[str, Any], parsed: ParsedTurn, stop: str,
                 message: str | None, generated: list[int], saved: bool) -> TurnResult:
@@ -840,7 +865,7 @@ class Conversation:
 
     def _finish(self, st: _TurnState, generated: list[int], stop: str, emit: EventHandler) -> TurnResult:
         parsed, stop, message = self._parse(st, generated, stop)
-        record = self._record(st, parsed, stop != "end", generated)
+        record = self._record(st, parsed, stop, generated)
         stored = self._append(record)  # a HistoryError here propagates: the caller must know
         result = self._result(st, stored, parsed, stop, message, generated, saved=True)
         if message:
@@ -854,7 +879,7 @@ class Conversation:
 
     def _failed(self, st: _TurnState, generated: list[int], exc: BaseException, emit: EventHandler) -> TurnFailed:
         parsed, _, _ = self._parse(st, generated, "error")
-        record = self._record(st, parsed, True, generated)
+        record = self._record(st, parsed, "error", generated)
         try:
             stored, saved = self._append(record), True
         except Exception as save_exc:  # report both; the engine failure is the cause
@@ -869,7 +894,7 @@ class Conversation:
     def _save_quietly(self, st: _TurnState, generated: list[int]) -> None:
         try:
             parsed = self.grammar.parse_lenient(generated, st.thinking)
-            self._append(self._record(st, parsed, True, generated))
+            self._append(self._record(st, parsed, "error", generated))
         except Exception as exc:
             log.error("could not save the partial answer: %s", exc)
 
@@ -965,10 +990,12 @@ class _TurnState:
     settings: SamplerSettings
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    reasoning_s: float = 0.0  # from the first sampled id to the start of the answer
 
 
 __all__ = [
     "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
     "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings",
+    "STOPS", "stop_message",
     "Event",
 ]

@@ -67,6 +67,7 @@ META_KEY = "k3chat"  # lines carrying this key are store metadata, never convers
 
 ROLES = ("system", "user", "assistant")
 EFFORTS = ("low", "high", "max")
+STOPS = ("end", "limit", "cancelled", "malformed", "error")  # why an answer ended (conversation.STOPS)
 MAX_NAME_LEN = 200
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 # Names are shown on one line in the browser, in `sessions list` and in Markdown headings: no
@@ -214,6 +215,8 @@ def _metadata_problem(key: str, value: object) -> str | None:
         return None if value in EFFORTS else f"effort must be one of {', '.join(EFFORTS)}, got {value!r}"
     if key == "sampler":
         return _sampler_problem(value)
+    if key == "stop":
+        return None if value in STOPS else f"stop must be one of {', '.join(STOPS)}, got {value!r}"
     if key == "tokens":
         return _numbers_problem("tokens", value, integers=True)
     if key == "speed":
@@ -239,7 +242,7 @@ def record_problem(record: object) -> str | None:
             problem = None if isinstance(value, bool) else "interrupted must be true or false"
         else:
             problem = _metadata_problem(key, value)
-        if problem is None and key in ("reasoning_content", "interrupted") and role != "assistant":
+        if problem is None and key in ("reasoning_content", "interrupted", "stop") and role != "assistant":
             problem = f"{key} is only allowed on assistant records, not {role!r}"
         if problem is not None:
             return problem

@@ -23,7 +23,8 @@ from ..text import literal
 from ..widgets.prompt import PromptInput
 from ..widgets.reasoning import ReasoningBlock
 from ..widgets.status import StatusBar
-from ..widgets.transcript import AnswerBlock, AssistantMessage, Transcript, UserMessage
+from ..widgets.transcript import (AnswerBlock, AssistantMessage, Transcript, UserMessage, stored_reasoning_size,
+                                  turn_status)
 
 if TYPE_CHECKING:
     from ..app import K3ChatApp
@@ -222,13 +223,17 @@ class ChatScreen(Screen[None]):
         if turn is None:
             return
         if turn.reasoning is not None:
+            # the stored figures, so that a redraw or a resume shows exactly these
+            exact = stored_reasoning_size(result.record)
             boundary = getattr(self.k3.grammar, "boundary", ())
-            tokens = reasoning_tokens(result.generated_ids, boundary) if boundary else None
-            turn.reasoning.finish(tokens=tokens, text=result.reasoning if result.reasoning is not None else None,
+            tokens = exact[0] if exact else (reasoning_tokens(result.generated_ids, boundary) if boundary else None)
+            turn.reasoning.finish(tokens=tokens, seconds=exact[1] if exact else None,
+                                  text=result.reasoning if result.reasoning is not None else None,
                                   interrupted=result.interrupted and not result.answer)
         await turn.answer.finish(result.answer)
         if result.interrupted:
-            turn.set_status(f"interrupted: {result.message}" if result.message else "interrupted")
+            turn.set_status(turn_status(result.record) if result.saved else
+                            (f"interrupted: {result.message}" if result.message else "interrupted"))
         elif not result.saved:
             turn.set_status("NOT saved")
         turn.live = False

@@ -19,6 +19,8 @@ from textual.content import Content
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
+from k3chat.conversation import stop_message
+
 from ..text import literal, neutralise
 from .reasoning import ReasoningBlock
 
@@ -160,12 +162,13 @@ class AssistantMessage(Vertical):
             reasoning = record.get("reasoning_content")
             interrupted = bool(record.get("interrupted"))
             if reasoning is not None:
-                tokens, seconds = _reasoning_size(reasoning, record, tokenizer)
+                exact = stored_reasoning_size(record)
+                tokens, seconds = exact if exact is not None else _reasoning_size(reasoning, record, tokenizer)
                 self.reasoning = ReasoningBlock(reasoning, mode=mode, tokens=tokens, seconds=seconds,
-                                                approximate=True,
+                                                approximate=exact is None,
                                                 interrupted=interrupted and not record.get("content"))
             self.answer = AnswerBlock(str(record.get("content", "")), markdown=markdown)
-            self._status = "interrupted" if interrupted else ""
+            self._status = turn_status(record)
         else:
             if thinking:
                 self.reasoning = ReasoningBlock(live=live, mode=mode)
@@ -179,6 +182,7 @@ class AssistantMessage(Vertical):
         yield self.answer
         status = Static(Content(self._status), classes="turn-status", markup=False)
         status.display = bool(self._status)
+        status.set_class(bool(self._status), "-warning")  # as set_status draws it live
         yield status
 
     def set_status(self, text: str, *, warning: bool = True) -> None:
@@ -187,6 +191,26 @@ class AssistantMessage(Vertical):
         status.update(literal(text))
         status.display = bool(text)
         status.set_class(warning, "-warning")
+
+
+def turn_status(record: Mapping[str, Any]) -> str:
+    """The line under an answer, from its stored record: why it was interrupted (the same live,
+    after a redraw and after a resume); records older than the "stop" field just say so."""
+    if not record.get("interrupted"):
+        return ""
+    stop = record.get("stop")
+    generated = (record.get("tokens") or {}).get("generated")
+    message = stop_message(stop, generated if isinstance(generated, int) else 0) if isinstance(stop, str) else None
+    return f"interrupted: {message}" if message else "interrupted"
+
+
+def stored_reasoning_size(record: Mapping[str, Any]) -> tuple[int, float | None] | None:
+    """The exact reasoning tokens and seconds a record stores (None for older records)."""
+    tokens = (record.get("tokens") or {}).get("reasoning")
+    if not isinstance(tokens, int) or isinstance(tokens, bool):
+        return None
+    seconds = (record.get("speed") or {}).get("reasoning_seconds")
+    return tokens, float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
 
 
 def _reasoning_size(reasoning: str, record: Mapping[str, Any], tokenizer: Any) -> tuple[int, float | None]:
