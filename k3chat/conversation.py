@@ -400,6 +400,12 @@ class Conversation:
     def context_used(self) -> int:
         return len(self._fed) if self._fed is not None else 0
 
+    def history_tokens(self) -> int:
+        """The context figure between turns: the stored history as the model reads it (what a
+        saved state holds and the next start reuses). During a turn, ``context_used`` is it
+        plus what the turn has fed so far."""
+        return len(self._render_ids(self._records, False)) if self._records else 0
+
     @property
     def pending_user(self) -> bool:
         """The history ends with an unanswered user message (after a crash): respond()."""

@@ -80,3 +80,59 @@ def test_record_problem_checks_the_stop_field() -> None:
     assert record_problem({**base, "stop": "limit"}) is None
     assert "stop must be one of" in (record_problem({**base, "stop": "bored"}) or "")
     assert "only allowed on assistant" in (record_problem({"role": "user", "content": "x", "stop": "end"}) or "")
+
+
+# --------------------------------------------------------------------------- item 7
+
+
+def held_tokens(records: list[dict[str, Any]], tok: Tokenizer, effort: str = "high") -> int:
+    """The history as the model reads it, rendered here from the stored records."""
+    from k3chat.template import encode, render
+
+    return len(encode(render(records, thinking=True, effort=effort, add_generation_prompt=False), tok))
+
+
+def context_part(app: Any) -> str:
+    return next((p for p in app.chat.status.parts() if p.startswith("ctx ")), "")
+
+
+def test_the_context_figure_is_one_figure_across_turns_quitting_and_restart(home: Path, model: Any,
+                                                                            tok: Tokenizer, tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a b c", " One."), answer(tok, " d", " Two.")))
+    seen: dict[str, Any] = {}
+
+    async def first() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            during: list[int] = []
+            original = app.chat.status.update_stats
+            app.chat.status.update_stats = lambda stats: (during.append(stats.context_used), original(stats))[1]
+            for n, text in enumerate(("First", "Second"), 1):
+                app.chat.prompt.set_text(text)
+                await pilot.press("enter")
+                await until(pilot, lambda: app.turns_over == n, "the turn")
+                await pilot.pause(0.05)
+                held = held_tokens(HistoryStore().load(app.conv.session_id).records, tok)
+                assert context_part(app).startswith(f"ctx {held:,}/"), (context_part(app), held)
+                assert during and max(during) <= held + 2  # during the turn: what it has fed so far
+                during.clear()
+            seen["ctx"] = context_part(app)
+            assert app.chat.status.speed  # the last turn's speed is shown...
+            await pilot.press("ctrl+n")
+            await pilot.pause(0.05)
+            assert app.chat.status.speed == "" and context_part(app) == ""  # ...and cleared for a new session
+            assert app.chat.status.cache == "" and app.chat.status.per_token == ""
+            seen["sid"] = HistoryStore().list()[0].id
+            await pilot.press("ctrl+q")
+
+    run(first)
+    again = make_app(model, tok, tiny_dir, Script(), session=seen["sid"])
+
+    async def resume() -> None:
+        async with again.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: again.conv is not None and not again.loading_session, "the session")
+            seen["resumed"] = context_part(again)
+
+    run(resume)
+    assert seen["resumed"] == seen["ctx"]  # the same figure after a restart, not an estimate ("~")

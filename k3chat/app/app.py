@@ -386,11 +386,12 @@ class K3ChatApp(App[int]):
         return conv
 
     @staticmethod
-    def _estimate(conv: Conversation) -> int | None:
+    def _held(conv: Conversation | None) -> int | None:
+        """The context figure between turns (Conversation.history_tokens), None if unknown."""
+        if conv is None:
+            return None
         try:
-            return len(conv.prompt_ids())
-        except ContextOverflow as exc:
-            return exc.prompt_tokens
+            return conv.history_tokens()
         except Exception:
             return None
 
@@ -400,11 +401,11 @@ class K3ChatApp(App[int]):
         try:
             conv = self._new_conversation(session_id)
             note = self._adopt_session_thinking(conv)
-            estimate = self._estimate(conv)
+            held = self._held(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, estimate, note)
+        self._ui(self._session_loaded, conv, held, note)
 
     def _adopt_session_thinking(self, conv: Conversation) -> str | None:
         """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
@@ -431,7 +432,7 @@ class K3ChatApp(App[int]):
         self.chat.hide_progress()
         self.chat.show_notice(message, error=True)
 
-    async def _session_loaded(self, conv: Conversation, estimate: int | None, note: str | None = None) -> None:
+    async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -449,8 +450,8 @@ class K3ChatApp(App[int]):
         chat.status.set_thinking(self.thinking, self.effort)
         await chat.show_history(conv.records)
         chat.set_title(self.session.name if self.session else None, self.engine.name if self.engine else None)
-        if estimate is not None:
-            chat.status.set_context(estimate, conv.context, estimate=True)
+        chat.status.clear_speed()  # the figures of another session's last turn
+        chat.status.set_context(held, conv.context)
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
         if note:
             notes.append(note)
@@ -492,6 +493,7 @@ class K3ChatApp(App[int]):
         chat.clear_notice()
         chat.set_title(None, self.engine.name if self.engine else None)
         chat.status.set_context(None, None)
+        chat.status.clear_speed()
         chat.prompt.focus()
 
     def switch_session(self, session_id: str | None) -> None:
@@ -621,8 +623,9 @@ class K3ChatApp(App[int]):
             log.exception("turn failed")
             self._ui(self._turn_error, f"the turn failed: {type(exc).__name__}: {exc}")
         finally:
+            held = self._held(self.conv) if self.conv is conv else None  # tokenized here, off the UI thread
             self._job_done.set()
-            self._ui(self._turn_over)
+            self._ui(self._turn_over, held)
 
     def _drop_created(self, conv: Conversation | None, info: SessionInfo) -> None:
         """A session made for a first message that was refused: leave no trace."""
@@ -685,17 +688,17 @@ class K3ChatApp(App[int]):
                 chat.prompt.restore(text)
         chat.show_notice(message, error=True)
         if self.conv is not None:
-            estimate = self._estimate(self.conv)
-            if estimate is not None:
-                chat.status.set_context(estimate, self.conv.context, estimate=True)
+            chat.status.set_context(self._held(self.conv), self.conv.context)
 
     def _turn_error(self, message: str) -> None:
         self.chat.show_notice(message, error=True)
         if self.chat.turn is not None:
             self.chat.turn.set_status(message)
 
-    async def _turn_over(self) -> None:
+    async def _turn_over(self, held: int | None = None) -> None:
         await self.chat.turn_over()
+        if held is not None and self.conv is not None:
+            self.chat.status.set_context(held, self.conv.context)  # the same figure as after a restart
         self.busy = False
         self.turns_over += 1
         if self._stop.requested.is_set():

@@ -1,5 +1,7 @@
 """The status bar: model, memory plan, thinking effort, phase, speed, expert cache hit rate,
-bytes read per token and context used. Figures for a turn are differences of the engine's cumulative
+bytes read per token and context used (the tokens the model holds for this session: the stored
+history as the model reads it between turns, plus what the running turn has fed during one;
+the same after a restart). Figures for a turn are differences of the engine's cumulative
 counters since the turn's prefill ended, so they describe decoding, not the history."""
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class StatusBar(Static):
         self._show()
 
     def turn_started(self) -> None:
+        self.clear_speed()
+
+    def clear_speed(self) -> None:
+        """Forget the last turn's speed, cache and read figures (a turn or a session starts)."""
         self._base = None
         self.speed = self.cache = self.per_token = ""
         self._show()
