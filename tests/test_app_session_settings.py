@@ -136,3 +136,127 @@ def test_the_context_figure_is_one_figure_across_turns_quitting_and_restart(home
 
     run(resume)
     assert seen["resumed"] == seen["ctx"]  # the same figure after a restart, not an estimate ("~")
+
+
+# --------------------------------------------------------------------------- item 5
+
+
+class Recording(Script):
+    """A Script that also keeps the sampler settings each turn was given."""
+
+    def __init__(self, *scripts: list[int]) -> None:
+        super().__init__(*scripts)
+        self.given: list[Any] = []
+
+    def __call__(self, settings: Any, turn: int) -> Any:
+        self.given.append(settings)
+        return super().__call__(settings, turn)
+
+
+async def fill(pilot: Any, **values: str) -> None:
+    from textual.widgets import Input
+
+    for name, value in values.items():
+        pilot.app.screen.query_one(f"#{name}", Input).value = value
+    await pilot.pause(0.05)
+
+
+def test_settings_dialog_is_checked_stored_with_the_session_and_shown_when_resumed(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from textual.widgets import Checkbox, Input, Static, TextArea
+
+    from k3chat.app.screens.settings import STARTED_NOTE, SettingsScreen
+
+    script = Recording(answer(tok, " a", " One."))
+    app = make_app(model, tok, tiny_dir, script)
+    seen: dict[str, Any] = {}
+
+    async def first() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            assert "greedy" in app.chat.status.parts()
+            await pilot.press("ctrl+o")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings dialog")
+            dialog = app.screen
+            dialog.query_one("#system", TextArea).text = "You answer in one word."
+            dialog.query_one("#sampling", Checkbox).value = True
+            await fill(pilot, temperature="0", top_k="5", seed="42", max_tokens="20")
+            await pilot.press("ctrl+s")
+            error = dialog.query_one("#settings-error", Static)
+            assert isinstance(app.screen, SettingsScreen) and error.display  # refused, the dialog stays
+            assert "Temperature: must be > 0" in str(error.render()), str(error.render())
+            await fill(pilot, temperature="0.7")
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), "the dialog to close")
+            assert "sampling t 0.7 p 0.95 k 5" in app.chat.status.parts()
+            app.chat.prompt.set_text("Hello")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over == 1, "the turn")
+            seen["sid"] = app.conv.session_id
+            await pilot.press("ctrl+q")
+
+    run(first)
+    used = script.given[0]
+    assert (used.greedy, used.temperature, used.top_k, used.seed) == (False, 0.7, 5, 42)
+    loaded = HistoryStore().load(seen["sid"])
+    assert loaded.records[0] == {**loaded.records[0], "role": "system", "content": "You answer in one word."}
+    assert {k: loaded.settings[k] for k in ("sampling", "temperature", "top_k", "seed", "max_tokens")} == {
+        "sampling": True, "temperature": 0.7, "top_k": 5, "seed": 42, "max_tokens": 20}
+    again = make_app(model, tok, tiny_dir, Recording(answer(tok, " b", " Two.")), session=seen["sid"])
+
+    async def resume() -> None:
+        async with again.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: again.conv is not None and not again.loading_session, "the session")
+            assert "sampling t 0.7 p 0.95 k 5" in again.chat.status.parts()  # shown when resumed
+            assert again.conv.max_tokens == 20 and again.conv.sampler.seed == 42
+            await pilot.press("ctrl+o")
+            await until(pilot, lambda: isinstance(again.screen, SettingsScreen), "the settings dialog")
+            dialog = again.screen
+            assert dialog.query_one("#temperature", Input).value == "0.7"
+            assert dialog.query_one("#seed", Input).value == "42"
+            assert dialog.query_one("#system", TextArea).text == "You answer in one word."
+            assert str(dialog.query_one("#system-note", Static).render()) == STARTED_NOTE
+            dialog.query_one("#system", TextArea).text = "Be verbose."
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: not isinstance(again.screen, SettingsScreen), "the dialog to close")
+            assert again.system_prompt == "You answer in one word."  # this conversation keeps its own
+            await pilot.press("ctrl+n")
+            await pilot.pause(0.05)
+            assert again.system_prompt == "Be verbose." and "greedy" in again.chat.status.parts()
+
+    run(resume)
+    assert HistoryStore().load(seen["sid"]).records[0]["content"] == "You answer in one word."
+
+
+def test_ctrl_r_on_a_greedy_session_gives_another_answer_and_says_how(home: Path, model: Any, tok: Tokenizer,
+                                                                      tiny_dir: Path) -> None:
+    from k3chat.app.screens.help import help_table
+
+    app = make_app(model, tok, tiny_dir, None, max_tokens=8, thinking=False)  # the real sampler
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            app.chat.prompt.set_text("Hello")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over == 1, "the turn")
+            seen["first"] = app.conv.records[-1]["content"]
+            assert app.conv.sampler.greedy
+            await pilot.press("ctrl+r")
+            await until(pilot, lambda: app.turns_over == 2, "the regenerated turn")
+            seen["again"] = app.conv.records[-1]
+            seen["said"] = [str(n.message) for n in app._notifications]
+            assert app.conv.sampler.greedy  # the session stays greedy: only that answer sampled
+
+    run(scenario)
+    again = seen["again"]
+    assert again["sampler"]["greedy"] is False and isinstance(again["sampler"]["seed"], int)
+    assert again["content"] != seen["first"]
+    assert any("greedy decoding would give the same answer again" in s for s in seen["said"]), seen["said"]
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(help_table())
+    assert "regenerate the last answer with a new seed" in console.export_text()

@@ -19,9 +19,11 @@ way without drawing anything, and exits 5.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -51,6 +53,7 @@ from .engine import Engine, EngineFactory, open_engine, plan_summary
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
+from .screens.settings import SettingsScreen, sampler_label, session_values, with_session_values
 from .screens.sessions import SessionsChanged, SessionsScreen, export_dialog
 from .screens.viewer import ReasoningViewer
 from .text import one_line
@@ -176,6 +179,9 @@ class K3ChatApp(App[int]):
         # A session starts with the launch settings; one given on the command line also
         # overrides what the session resumed at launch had stored.
         self._thinking_given = thinking_given
+        self.chat_settings = settings  # this session's sampler and max tokens (settings dialog, ctrl+o)
+        self.system_prompt = ""  # this session's (sent with its first message)
+        self._next_system: str | None = None  # chosen in a started session: for the next new one
         self.engine: Engine | None = None
         self.conv: Conversation | None = None
         self.ready = False
@@ -355,6 +361,7 @@ class K3ChatApp(App[int]):
         chat.hide_progress()
         chat.status.set_model(engine.name, plan_summary(engine))
         chat.status.set_thinking(self.thinking, self.effort)
+        chat.status.set_sampler(sampler_label(self.chat_settings))
         chat.status.set_phase("ready")
         chat.set_title(self.session.name if self.session else self.pending_name, engine.name)
         if self.demo:
@@ -375,7 +382,7 @@ class K3ChatApp(App[int]):
     def _new_conversation(self, session_id: str) -> Conversation:
         engine = self.engine
         assert engine is not None
-        s = self.settings
+        s = self.chat_settings
         store = HistoryStore(self.store.root, vault=self.store.vault)
         conv = Conversation(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
@@ -401,11 +408,12 @@ class K3ChatApp(App[int]):
         try:
             conv = self._new_conversation(session_id)
             note = self._adopt_session_thinking(conv)
+            own, refused = self._adopt_session_sampler(conv)
             held = self._held(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, held, note)
+        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own)
 
     def _adopt_session_thinking(self, conv: Conversation) -> str | None:
         """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
@@ -426,13 +434,33 @@ class K3ChatApp(App[int]):
         return (f"{thinking_label(*launch).capitalize()} from the command line (this session had "
                 f"{thinking_label(*own)}); the conversation is re-read with it at the next message.")
 
+    def _adopt_session_sampler(self, conv: Conversation) -> tuple[Settings, str | None]:
+        """Thread: give ``conv`` its session's sampler and max tokens (stored by the settings
+        dialog), checked as the command line checks them; the launch values and a note when a
+        stored value is refused."""
+        try:
+            own = with_session_values(self.settings, conv.session_settings)
+        except Exception as exc:
+            own, note = self.settings, f"this session's stored settings were refused ({exc}); the launch settings are used"
+        else:
+            note = None
+        self._give_sampler(conv, own)
+        return own, note
+
+    @staticmethod
+    def _give_sampler(conv: Conversation, own: Settings) -> None:
+        conv.sampler = sampler_settings(sampling=own.sampling, temperature=own.temperature, top_p=own.top_p,
+                                        top_k=own.top_k, seed=own.seed, records=conv.records)
+        conv.max_tokens = own.max_tokens
+
     async def _session_failed(self, message: str) -> None:
         self.loading_session = False
         await self.start_new_session()
         self.chat.hide_progress()
         self.chat.show_notice(message, error=True)
 
-    async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None) -> None:
+    async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None,
+                              own: Settings | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -441,6 +469,8 @@ class K3ChatApp(App[int]):
             self.conv.close()
         self.conv = conv
         self.thinking, self.effort = conv.thinking, conv.effort or self.effort
+        self.chat_settings = own or self.settings
+        self.system_prompt = next((str(r.get("content", "")) for r in conv.records[:1] if r.get("role") == "system"), "")
         try:
             self.session = self.store.info(conv.session_id)
         except HistoryError:
@@ -448,6 +478,7 @@ class K3ChatApp(App[int]):
         chat = self.chat
         chat.hide_progress()
         chat.status.set_thinking(self.thinking, self.effort)
+        chat.status.set_sampler(sampler_label(self.chat_settings))
         await chat.show_history(conv.records)
         chat.set_title(self.session.name if self.session else None, self.engine.name if self.engine else None)
         chat.status.clear_speed()  # the figures of another session's last turn
@@ -487,8 +518,11 @@ class K3ChatApp(App[int]):
         self.session = None
         self.pending_name = None
         self.thinking, self.effort = self.settings.thinking, self.settings.effort  # a session's own start
+        self.chat_settings = self.settings
+        self.system_prompt, self._next_system = self._next_system or "", None
         chat = self.chat
         chat.status.set_thinking(self.thinking, self.effort)
+        chat.status.set_sampler(sampler_label(self.chat_settings))
         await chat.show_history([])
         chat.clear_notice()
         chat.set_title(None, self.engine.name if self.engine else None)
@@ -561,9 +595,24 @@ class K3ChatApp(App[int]):
         if conv.pending_user:
             await self._start_turn("respond", None)
         elif conv.records[-1].get("role") == "assistant":
-            await self._start_turn("regenerate", None)
+            await self._start_turn("regenerate", None, sampler=self._fresh_sampler(conv))
         else:
             self.say("nothing to regenerate")
+
+    def _fresh_sampler(self, conv: Conversation) -> Any:
+        """A regenerated answer can differ: the same (seed, turn) gives the same answer, and so
+        does greedy decoding, so this one answer samples with a new seed (the session keeps
+        its own settings). Says so."""
+        own = conv.sampler
+        fresh = dataclasses.replace(own, greedy=False, seed=secrets.randbits(64))
+        how = (f"temperature {fresh.temperature:g}, top-p {fresh.top_p:g}"
+               + (f", top-k {fresh.top_k}" if fresh.top_k else "") + f", seed {fresh.seed}")
+        if own.greedy:
+            self.say(f"Regenerating with sampling ({how}): greedy decoding would give the same answer again. "
+                     "Settings (ctrl+o) turn sampling on for every answer.")
+        else:
+            self.say(f"Regenerating with a new seed ({how})")
+        return fresh
 
     def action_edit_last(self) -> None:
         if not self._can_start():
@@ -575,19 +624,21 @@ class K3ChatApp(App[int]):
             return
         self.chat.start_edit(str(users[-1].get("content", "")))
 
-    async def _start_turn(self, kind: str, text: str | None) -> None:
+    async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None) -> None:
         self.busy = True
         self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
         await self.chat.begin_turn(kind, text, thinking=self.thinking)
-        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text), thread=True, group="turn",
+        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler), thread=True, group="turn",
                                             exit_on_error=False, name=f"turn:{kind}")
 
-    def _turn_job(self, kind: str, text: str | None) -> None:
-        """Thread: one turn. Every outcome reaches the UI; nothing is raised from here."""
+    def _turn_job(self, kind: str, text: str | None, sampler: Any = None) -> None:
+        """Thread: one turn (``sampler``: for this turn only, else the session's). Every outcome
+        reaches the UI; nothing is raised from here."""
         created: SessionInfo | None = None
         conv = self.conv
+        own_sampler = conv.sampler if conv is not None else None
         try:
             if conv is None:
                 engine = self.engine
@@ -598,12 +649,17 @@ class K3ChatApp(App[int]):
                                        numbered=self.pending_name is None)
                 if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
                     store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
+                if session_values(self.chat_settings) != session_values(self.settings):
+                    store.set_settings(created.id, session_values(self.chat_settings))
                 conv = self._new_conversation(created.id)
                 self._ui(self._adopt, conv, created)
             emit = self._emit
+            if sampler is not None:
+                conv.sampler = sampler
             if kind == "send":
                 assert text is not None
-                conv.send(text, on_event=emit)
+                system = self.system_prompt if self.system_prompt.strip() and not conv.records else None
+                conv.send(text, system=system, on_event=emit)
             elif kind == "edit":
                 assert text is not None
                 conv.edit_last(text, on_event=emit)
@@ -623,6 +679,8 @@ class K3ChatApp(App[int]):
             log.exception("turn failed")
             self._ui(self._turn_error, f"the turn failed: {type(exc).__name__}: {exc}")
         finally:
+            if sampler is not None and conv is not None and own_sampler is not None:
+                conv.sampler = own_sampler  # the one-off sampler was for this answer only
             held = self._held(self.conv) if self.conv is conv else None  # tokenized here, off the UI thread
             self._job_done.set()
             self._ui(self._turn_over, held)
@@ -1018,6 +1076,52 @@ class K3ChatApp(App[int]):
         self.chat.status.set_thinking(on, effort)
         self.say(f"{thinking_label(on, effort).capitalize()} from the next answer (kept with this session)")
 
+    def action_session_settings(self) -> None:
+        """ctrl+o: this session's settings dialog."""
+        if isinstance(self.screen, SettingsScreen):
+            return
+        if self.busy:
+            self.say("change the settings after this answer", warning=True)
+            return
+        conv = self.conv
+        started = conv is not None and bool(conv.records)
+        seed = conv.sampler.seed if conv is not None and self.chat_settings.seed is None else None
+        self.push_screen(SettingsScreen(self.chat_settings, self.settings, self.system_prompt, started=started,
+                                        session_seed=seed), self._settings_chosen)
+
+    def _settings_chosen(self, chosen: tuple[Settings, str] | None) -> None:
+        if chosen is None:
+            return
+        if self.busy:
+            self.say("settings not changed: K3 is answering", warning=True)
+            return
+        own, system = chosen
+        conv = self.conv
+        notes = [self._apply_session_sampler(own)]
+        started = conv is not None and bool(conv.records)
+        if not started:
+            self.system_prompt = system
+        elif system != self.system_prompt:
+            self._next_system = system
+            notes.append("this conversation keeps its system prompt; the new one is used by the next new session "
+                         "(ctrl+n)")
+        self.say("; ".join(n for n in notes if n))
+
+    def _apply_session_sampler(self, own: Settings) -> str:
+        self.chat_settings = own
+        conv = self.conv
+        kept = "kept with this session"
+        if conv is not None:
+            self._give_sampler(conv, own)
+            try:
+                self.store.set_settings(conv.session_id, session_values(own))
+            except HistoryError as exc:
+                kept = f"used, but not stored with the session: {exc}"
+        else:
+            kept = "kept with the session your next message starts"
+        self.chat.status.set_sampler(sampler_label(own))
+        return f"Settings saved: {sampler_label(own)}, at most {own.max_tokens:,} tokens per answer ({kept})"
+
     def set_reasoning_display(self, mode: str) -> None:
         self.reasoning_display = mode
         for block in self.chat.query(ReasoningBlock):
@@ -1063,6 +1167,10 @@ class K3ChatApp(App[int]):
         yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
         yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
         yield SystemCommand("Help", "Every key (f1)", self.action_help)
+        yield SystemCommand("Session settings", "System prompt, sampling, temperature, top-p, top-k, seed, max tokens "
+                            "(ctrl+o)", self.action_session_settings)
+        yield SystemCommand("Regenerate with a new seed", "The last answer again, sampled with a new seed so it can "
+                            "differ (ctrl+r)", self.action_regenerate)
         current = " (current)"
         yield SystemCommand("Thinking: off" + (current if not self.thinking else ""), "Answer without reasoning",
                             partial(self.set_thinking, False))

@@ -48,6 +48,7 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+e", "app.edit_last", "Edit last", priority=True, id="edit_last"),
         Binding("ctrl+s", "app.sessions", "Sessions", priority=True, id="sessions"),
         Binding("ctrl+n", "app.new_session", "New", show=False, priority=True, id="new_session"),
+        Binding("ctrl+o", "app.session_settings", "Settings", priority=True, id="settings"),
         Binding("ctrl+t", "toggle_reasoning", "Fold block", priority=True, id="toggle_reasoning"),
         Binding("alt+up", "block(-1)", "Previous block", show=False, priority=True, id="previous_block"),
         Binding("alt+down", "block(1)", "Next block", show=False, priority=True, id="next_block"),

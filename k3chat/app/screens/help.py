@@ -16,7 +16,8 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("enter", "send the message"),
         ("shift+enter, ctrl+j, alt+enter", "new line"),
         ("ctrl+e", "edit your last message and resend it (escape cancels)"),
-        ("ctrl+r", "regenerate the last answer (or answer an unanswered message)"),
+        ("ctrl+r", "regenerate the last answer with a new seed, so it can differ (a greedy session samples "
+                   "that one answer; or answer an unanswered message)"),
     )),
     ("While the model answers", (
         ("ctrl+c", "copy the selection if there is one; otherwise stop after the step in flight "
@@ -37,6 +38,8 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Elsewhere", (
         ("ctrl+s", "sessions: search names, messages and reasoning; resume, rename, delete, export"),
         ("ctrl+n", "start a new session"),
+        ("ctrl+o", "settings of this session: system prompt, sampling on/off, temperature, top-p, top-k, seed, "
+                   "max tokens (kept with the session)"),
         ("ctrl+p", "command palette (thinking effort, kept per session; reasoning display; Markdown; "
                    "theme, remembered for the next start; ...)"),
         ("f1, ?", "this help"),
@@ -46,7 +49,7 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 ABOUT = ("k3chat runs Kimi K3 on this machine. It never uses the network: nothing you type "
          "or the model writes leaves it. Sessions are saved as you go (files readable only by you). "
          "Keys can be changed in config.toml, e.g. [keys] quit = \"ctrl+x\" (names: interrupt, quit, help, "
-         "regenerate, edit_last, sessions, new_session, toggle_reasoning, previous_block, next_block).")
+         "regenerate, edit_last, sessions, new_session, settings, toggle_reasoning, previous_block, next_block).")
 
 
 def help_table() -> Table:

@@ -1,4 +1,4 @@
-"""The status bar: model, memory plan, thinking effort, phase, speed, expert cache hit rate,
+"""The status bar: model, memory plan, thinking effort, sampler, phase, speed, expert cache hit rate,
 bytes read per token and context used (the tokens the model holds for this session: the stored
 history as the model reads it between turns, plus what the running turn has fed during one;
 the same after a restart). Figures for a turn are differences of the engine's cumulative
@@ -49,6 +49,7 @@ class StatusBar(Static):
         self.model = ""
         self.plan = ""
         self.thinking = ""
+        self.sampler = ""
         self.phase = "loading"
         self.speed = ""
         self.cache = ""
@@ -65,6 +66,11 @@ class StatusBar(Static):
     def set_thinking(self, on: bool, effort: str | None) -> None:
         """The thinking effort the next answer uses (this session's)."""
         self.thinking = thinking_label(on, effort)
+        self._show()
+
+    def set_sampler(self, label: str) -> None:
+        """How this session's answers are sampled ("greedy", "sampling t 0.7 p 0.9")."""
+        self.sampler = label
         self._show()
 
     def set_phase(self, phase: str) -> None:
@@ -111,7 +117,7 @@ class StatusBar(Static):
     # ------------------------------------------------------------------ output
 
     def parts(self) -> list[str]:
-        fields = [self.model, self.plan, self.thinking, self.phase, self.speed, self.cache, self.per_token, self.context]
+        fields = [self.model, self.plan, self.thinking, self.sampler, self.phase, self.speed, self.cache, self.per_token, self.context]
         return [one_line(f, 60) for f in fields if f]
 
     def _show(self) -> None:
