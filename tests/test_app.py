@@ -353,7 +353,7 @@ def test_status_bar_shows_speed_and_context(home: Path, model: Any, tok: Tokeniz
             status = app.chat.query_one(StatusBar)
             parts = status.parts()
             assert any(p.endswith("tok/s") or p.endswith("s/tok") for p in parts), parts
-            used = app.conv.context_used
+            used = app.conv.history_tokens()  # the context figure between turns (issue 8 item 7)
             assert used > 0 and f"ctx {used:,}/" in " ".join(parts)
             assert any(p.startswith("cache ") for p in parts) and any(p.endswith("/tok read") for p in parts)
             assert parts[0] == "tiny" and "all resident" in parts
