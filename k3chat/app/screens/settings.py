@@ -11,7 +11,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
@@ -22,7 +22,7 @@ from ..text import literal
 # the session's own values, as stored in its {"k3chat": "settings"} lines (seed None: random)
 SESSION_FIELDS = ("sampling", "temperature", "top_p", "top_k", "seed", "max_tokens")
 NUMBER_FIELDS = (("temperature", "Temperature (> 0)"), ("top_p", "Top-p (0 to 1)"),
-                 ("top_k", "Top-k (0 = off)"), ("seed", "Seed (empty: random, kept with the session)"),
+                 ("top_k", "Top-k (0 = off)"), ("seed", "Seed (empty: random)"),
                  ("max_tokens", "Max tokens per answer"))
 STARTED_NOTE = ("This conversation has started, so it keeps its system prompt (a new one would mean "
                 "re-reading the whole conversation under another instruction). A system prompt changed "
@@ -94,11 +94,11 @@ class SettingsScreen(ModalScreen["tuple[Settings, str] | None"]):
             yield TextArea(self.system, id="system", soft_wrap=True)
             yield Static(STARTED_NOTE if self.started else NEW_NOTE, classes="dialog-text", id="system-note",
                          markup=False)
-            yield Checkbox("Sample (off: greedy, the most likely token each time, the same answer every time)",
-                           self.current.sampling, id="sampling")
+            yield Checkbox("Sample (off: greedy, the same answer every time)", self.current.sampling, id="sampling")
             for name, label in NUMBER_FIELDS:
-                yield Label(label)
-                yield Input(self._shown(name), id=name, placeholder=self._placeholder(name))
+                with Horizontal(classes="settings-row"):
+                    yield Label(label)
+                    yield Input(self._shown(name), id=name, placeholder=self._placeholder(name))
             yield Static("", id="settings-error", classes="dialog-text", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", id="save", variant="primary")
@@ -109,9 +109,9 @@ class SettingsScreen(ModalScreen["tuple[Settings, str] | None"]):
         return "" if value is None else str(value)
 
     def _placeholder(self, name: str) -> str:
-        if name == "seed" and self.session_seed is not None:
-            return f"random (this session: {self.session_seed})"
-        return ""
+        if name != "seed":
+            return ""
+        return f"random (this session: {self.session_seed})" if self.session_seed is not None else "random"
 
     def on_mount(self) -> None:
         self.query_one("#settings-error").display = False
