@@ -67,7 +67,7 @@ def test_stop_reason_and_exact_counts_survive_redraw_and_resume(home: Path, mode
     async def resume() -> None:
         async with again.run_test(size=SIZE) as pilot:
             await started(pilot)
-            await until(pilot, lambda: again.conv is not None and not again.loading_session, "the session")
+            await until(pilot, lambda: again.conv is not None and bool(shown_turns(again)), "the session shown")
             await pilot.pause(0.1)
             seen["resumed"] = shown_turns(again)
 
@@ -131,7 +131,7 @@ def test_the_context_figure_is_one_figure_across_turns_quitting_and_restart(home
     async def resume() -> None:
         async with again.run_test(size=SIZE) as pilot:
             await started(pilot)
-            await until(pilot, lambda: again.conv is not None and not again.loading_session, "the session")
+            await until(pilot, lambda: again.conv is not None and context_part(again) != "", "the context figure")
             seen["resumed"] = context_part(again)
 
     run(resume)
