@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
@@ -45,6 +45,16 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _add_remote_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote", metavar="URL", default=None,
+                   help="chat with an OpenAI-compatible server (vLLM, SGLang, k3chat serve) at URL instead of a "
+                        "local model; default: `remote` in config.toml")
+    p.add_argument("--model", dest="remote_model", metavar="NAME", default=None,
+                   help="--remote: the model to ask for (default: the server's first)")
+    p.add_argument("--api-key-file", metavar="F", default=None,
+                   help="--remote: a file whose first line is the API key (default: K3CHAT_API_KEY)")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -81,6 +91,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "(every weight resident, no plan); default: config.toml, else auto")
     r.add_argument("--lookahead", type=int, default=None, metavar="N",
                    help="experts per token prefetched for the next layer (default: top-k; 0 = off)")
+    _add_remote_options(r)
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
@@ -135,6 +146,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    _add_remote_options(c)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -166,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat_cli import run_chat, usage_error
+    if args.remote is not None and (args.demo or args.model_dir is not None or args.ids is not None):
+        return usage_error("--remote chats with a server's model: give no MODEL_DIR, --demo or --ids with it")
+    if args.remote is None and (args.remote_model is not None or args.api_key_file is not None):
+        return _remote_needed(args, run_chat)
     if args.demo:
         if args.model_dir is not None:
             return usage_error("give MODEL_DIR or --demo, not both")
@@ -198,6 +214,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.model_dir = str(model_dir)
     from .run_ids import run_ids
     return run_ids(args)
+
+
+def _remote_needed(args: argparse.Namespace, then: "Callable[[argparse.Namespace], int]") -> int:
+    """--model / --api-key-file without --remote: fine when config.toml names a remote."""
+    from .chat_cli import usage_error
+    from .settings import SettingsError, load_settings
+    try:
+        configured = load_settings().remote
+    except SettingsError as exc:
+        return usage_error(str(exc))
+    if configured is None or args.demo or args.model_dir is not None:
+        return usage_error("--model and --api-key-file are for --remote (or `remote` in config.toml)")
+    return then(args)
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
