@@ -1,0 +1,88 @@
+"""A loopback HTTP peer that replays a recorded vLLM stream, for the remote backend's tests.
+
+It answers GET /v1/models and POST /v1/chat/completions with a chosen status and body, keeps
+every request it saw (path, headers, JSON body), and can cut the connection in the middle of a
+chunked stream, as a network or a dying server does. Bounded: each connection times out.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).parent / "data" / "remote"
+MODEL = "moonshotai/Kimi-K3"
+
+
+class ReplayPeer:
+    def __init__(self, stream: str = "vllm_reasoning_content.sse", *, status: int = 200, error: str = "",
+                 cut: bool = False) -> None:
+        self.body = (DATA / stream).read_bytes()
+        self.status = status
+        self.error = error
+        self.cut = cut  # stop the chunked body without its last chunk, then close
+        self.requests: list[dict[str, Any]] = []
+        peer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = 20
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _record(self, body: Any) -> None:
+                peer.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+
+            def _json(self, status: int, doc: Any) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._record(None)
+                if self.path != "/v1/models":
+                    self._json(404, {"error": {"message": "not found", "type": "NotFoundError"}})
+                    return
+                self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                self._record(json.loads(self.rfile.read(length) or b"null"))
+                if peer.status != 200:
+                    self._json(peer.status, {"object": "error", "message": peer.error, "type": "BadRequestError",
+                                             "code": peer.status, "error": {"message": peer.error}})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for line in peer.body.splitlines(keepends=True):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                if peer.cut:
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "ReplayPeer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)

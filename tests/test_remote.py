@@ -1,0 +1,312 @@
+"""The remote backend (`run --remote`): against our own `k3chat serve --demo` on loopback (a
+real OpenAI-compatible peer) and against recorded vLLM-format streams (tests/data/remote),
+replayed by a loopback peer. Expected texts come from the demo model's recorded greedy runs
+(prompts.jsonl) or from the recorded stream files, never from the code under test."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from remote_peer import MODEL, ReplayPeer
+from server_proc import ServerProc
+
+from k3chat.cli import main
+from k3chat.demo import model_dir
+from k3chat.history import HistoryStore
+
+KEY = "k3-remote-test-key-5f1e0c9a"
+REASONING = "The user asks for 9.11 vs 9.8. 9.8 = 9.80 > 9.11."  # what the recorded streams say
+ANSWER = "9.8 is greater."
+
+
+def _demo_row(mode: str) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (model_dir() / "prompts.jsonl").read_text(encoding="utf-8").splitlines()]
+    return next(r for r in rows if r["mode"] == mode and r["well_formed"] and len(r["messages"]) == 1)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("K3CHAT_HOME", str(h))
+    monkeypatch.delenv("K3CHAT_API_KEY", raising=False)
+    return h
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    home = tmp_path_factory.mktemp("server-home")
+    key_file = home / "key"
+    key_file.write_text(KEY + "\n")
+    os.chmod(key_file, 0o600)
+    with ServerProc(["--demo", "--threads", "1", "--api-key-file", str(key_file)], home) as srv:
+        yield srv
+        assert srv.stop() == 0, srv.stderr
+
+
+def _sessions(home: Path) -> list[Any]:
+    return HistoryStore().list() if (home).exists() else []
+
+
+def _history_bytes(home: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in home.rglob("*") if p.is_file())
+
+
+# --------------------------------------------------------------------------- our own server
+
+
+@pytest.mark.timeout(180)
+def test_run_remote_against_our_server_answers_as_the_demo_model_and_reuses_the_prefix(
+        server: ServerProc, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    row = _demo_row("low")
+    monkeypatch.setenv("K3CHAT_API_KEY", KEY)
+    # A proxy in the environment is not used: only the named host is contacted.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")
+    out1, out2 = tmp_path / "1.json", tmp_path / "2.json"
+    code = main(["run", "--remote", server.url, "--prompt", row["messages"][0]["content"], "--thinking-effort", "low",
+                 "--session", "remote-chat", "--json", str(out1)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    first = json.loads(out1.read_text())
+    assert (first["reasoning"], first["answer"]) == (row["reasoning"], row["answer"])
+    assert first["prompt_tokens"] == len(row["prompt_ids"])
+    # the server's usage: it does not wait for the end id after the closed response (test_server_openai)
+    assert first["generated_tokens"] == len(row["greedy_ids"]) - 1
+    assert first["remote"] == server.url + "/v1" and first["model"] == "k3chat-demo"
+    assert f"--- reasoning ---\n{row['reasoning']}" in printed.out and row["answer"] in printed.out
+    assert "remote model k3chat-demo at " + server.url in printed.err
+
+    assert main(["run", "--remote", server.url, "--session", "remote-chat", "--prompt", "and 1 + 1?",
+                 "--thinking-effort", "low", "--json", str(out2)]) == 0
+    second = json.loads(out2.read_text())
+    # The server kept the first turn: the whole first prompt at least is a cached prefix.
+    assert second["reused_tokens"] >= len(row["prompt_ids"])
+    assert second["prefilled_tokens"] == second["prompt_tokens"] - second["reused_tokens"] > 0
+
+    records = HistoryStore().load(first["session"]).records
+    assert [r["role"] for r in records] == ["user", "assistant", "user", "assistant"]
+    assert records[1]["reasoning_content"] == row["reasoning"] and records[1]["content"] == row["answer"]
+    assert records[1]["effort"] == "low" and records[1]["model"] == "k3chat-demo"
+    assert records[1]["tokens"]["prompt"] == len(row["prompt_ids"])
+    assert KEY.encode() not in _history_bytes(home)
+    assert KEY not in printed.out + printed.err + out1.read_text() + out2.read_text()
+
+
+@pytest.mark.timeout(180)
+def test_run_remote_json_has_the_fields_of_a_local_run(server: ServerProc, home: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    local, remote = tmp_path / "local.json", tmp_path / "remote.json"
+    assert main(["run", "--demo", "--prompt", "2 + 3 = ?", "--thinking-effort", "low", "--json", str(local)]) == 0
+    monkeypatch.setenv("K3CHAT_API_KEY", KEY)
+    assert main(["run", "--remote", server.url, "--prompt", "2 + 3 = ?", "--thinking-effort", "low",
+                 "--json", str(remote)]) == 0
+    local_doc, remote_doc = json.loads(local.read_text()), json.loads(remote.read_text())
+    assert set(local_doc) <= set(remote_doc)
+    assert (remote_doc["answer"], remote_doc["reasoning"]) == (local_doc["answer"], local_doc["reasoning"])
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_key_is_refused_clearly_nothing_is_saved_and_the_key_is_never_written(
+        server: ServerProc, home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    wrong = "k3-wrong-key-ab12cd34"
+    key_file = tmp_path / "key"
+    key_file.write_text(wrong + "\n")
+    caplog.set_level(logging.DEBUG)
+    code = main(["run", "--remote", server.url, "--api-key-file", str(key_file), "--prompt", "hi",
+                 "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "refused the API key (HTTP 401)" in err and "nothing was saved" in err
+    assert _sessions(home) == []
+    logs = caplog.text + err
+    assert wrong not in logs and wrong.encode() not in _history_bytes(home)
+
+
+@pytest.mark.timeout(120)
+def test_an_unknown_model_is_a_404_with_the_servers_reason(server: ServerProc, home: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("K3CHAT_API_KEY", KEY)
+    assert main(["run", "--remote", server.url, "--model", "no-such-model", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 404" in err and "no-such-model" in err and "nothing was saved" in err
+    assert _sessions(home) == []
+
+
+# --------------------------------------------------------------------------- recorded vLLM streams
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", ["vllm_reasoning_content.sse", "vllm_reasoning.sse"])
+def test_a_recorded_vllm_stream_is_shown_and_stored_like_a_local_turn(
+        stream: str, home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    with ReplayPeer(stream) as peer:
+        code = main(["run", "--remote", peer.url, "--prompt", "9.11 and 9.8, which is greater?",
+                     "--thinking-effort", "high", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert printed.out == f"--- reasoning ---\n{REASONING}\n--- answer ---\n{ANSWER}\n"
+    doc = json.loads(out.read_text())
+    assert (doc["reasoning"], doc["answer"], doc["stop"], doc["interrupted"]) == (REASONING, ANSWER, "end", False)
+    assert (doc["prompt_tokens"], doc["generated_tokens"]) == (31, 9)  # the stream's usage
+    assert doc["model"] == MODEL  # the server's first model, from GET /v1/models
+    request = peer.requests[-1]
+    assert request["path"] == "/v1/chat/completions"
+    body = request["body"]
+    assert body["model"] == MODEL and body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["chat_template_kwargs"] == {"thinking": True, "thinking_effort": "high"}
+    assert body["messages"] == [{"role": "user", "content": "9.11 and 9.8, which is greater?"}]
+    assert "authorization" not in {k.lower() for k in request["headers"]}  # no key given, none sent
+    record = HistoryStore().load(doc["session"]).records[-1]
+    assert (record["reasoning_content"], record["content"]) == (REASONING, ANSWER)
+    assert "interrupted" not in record and record["remote"] == peer.url + "/v1"
+
+
+@pytest.mark.timeout(60)
+def test_the_key_goes_in_the_authorization_header_only(home: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("K3CHAT_API_KEY", KEY)
+    with ReplayPeer() as peer:
+        assert main(["run", "--remote", peer.url, "--prompt", "hi", "--json", str(tmp_path / "o.json")]) == 0
+    assert all(r["headers"].get("Authorization") == f"Bearer {KEY}" for r in peer.requests)
+    assert KEY not in json.dumps([r["body"] for r in peer.requests])
+    assert KEY.encode() not in _history_bytes(home)
+    assert KEY not in capsys.readouterr().err + (tmp_path / "o.json").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_cut_in_the_middle_is_saved_interrupted_and_exits_1(
+        home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    with ReplayPeer("vllm_cut.sse", cut=True) as peer:
+        code = main(["run", "--remote", peer.url, "--prompt", "9.11 and 9.8, which is greater?", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the connection to 127.0.0.1:" in err and "broke during the answer" in err
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["stop"] == "error" and doc["exit_code"] == 1
+    record = HistoryStore().load(doc["session"]).records[-1]
+    assert record["role"] == "assistant" and record["interrupted"] is True
+    assert (record["reasoning_content"], record["content"]) == (REASONING, "9.8 is")
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_ends_without_done_is_not_taken_as_complete(home: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with ReplayPeer("vllm_cut.sse") as peer:  # a clean end of body, but no finish and no [DONE]
+        code = main(["run", "--remote", peer.url, "--prompt", "hi", "--json", str(tmp_path / "o.json")])
+    assert code == 1
+    assert "ended before the answer was finished" in capsys.readouterr().err
+    assert json.loads((tmp_path / "o.json").read_text())["interrupted"] is True
+
+
+@pytest.mark.timeout(60)
+def test_the_token_limit_is_said_and_saved_as_a_local_run_does(home: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    with ReplayPeer("vllm_length.sse") as peer:
+        assert main(["run", "--remote", peer.url, "--prompt", "hi", "--max-tokens", "3", "--json", str(out)]) == 0
+    assert peer.requests[-1]["body"]["max_tokens"] == 3
+    assert "token limit" in capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert (doc["stop"], doc["interrupted"], doc["reasoning"], doc["answer"]) == (
+        "limit", True, "The user asks for 9.11 vs 9.8.", "")
+
+
+@pytest.mark.timeout(60)
+def test_a_server_error_status_says_what_the_server_said(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ReplayPeer(status=400, error="this request needs 9000 prompt tokens") as peer:
+        assert main(["run", "--remote", peer.url, "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 400: this request needs 9000 prompt tokens" in err and "nothing was saved" in err
+    assert _sessions(home) == []
+
+
+# --------------------------------------------------------------------------- connection problems and usage
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.timeout(60)
+def test_connection_refused_is_a_clear_error_and_nothing_is_saved(home: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    assert main(["run", "--remote", url, "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach the server at {url}/v1" in err and "is it running" in err
+    assert _sessions(home) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--remote", "ftp://host"], "not an http:// or https:// address"),
+    (["--remote", "https://user:pw@host"], "must not carry a user or password"),
+    (["--remote", "http://127.0.0.1:1", "--memory", "8G"], "--memory is for the local model"),
+    (["--remote", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: no such"),
+    (["--demo", "--remote", "http://127.0.0.1:1"], "give no MODEL_DIR, --demo or --ids"),
+    (["--demo", "--model", "x"], "--model and --api-key-file are for --remote"),
+])
+def test_remote_usage_problems_exit_2_with_the_reason(argv: list[str], message: str, home: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", *argv, "--prompt", "hi"]) == 2
+    assert message in capsys.readouterr().err
+    assert _sessions(home) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_remote_config_key_is_used_and_a_model_on_the_command_line_beats_it(
+        home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat import paths
+    with ReplayPeer() as peer:
+        config = paths.config_dir() / "config.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(f'remote = "{peer.url}"\nremote_model = "{MODEL}"\n')
+        out = tmp_path / "o.json"
+        assert main(["run", "--prompt", "hi", "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["answer"] == ANSWER
+        assert [r["path"] for r in peer.requests] == ["/v1/chat/completions"]  # the model was named: no lookup
+        assert main(["run", "--demo", "--prompt", "2 + 3 = ?", "--max-tokens", "2", "--json", str(out)]) == 0
+        assert len(peer.requests) == 1  # the local model answered
+        assert "remote" not in json.loads(out.read_text())
+
+
+# --------------------------------------------------------------------------- no socket without --remote
+
+
+class _NoSockets:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a socket was opened without --remote")
+
+
+@pytest.mark.timeout(120)
+def test_a_local_run_opens_no_socket(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "socket", _NoSockets)
+    monkeypatch.setattr(socket, "create_connection", _NoSockets)
+    out = tmp_path / "o.json"
+    assert main(["run", "--demo", "--prompt", "2 + 3 = ?", "--thinking-effort", "low", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["answer"] == _demo_row("low")["answer"]
+
+
+@pytest.mark.timeout(60)
+def test_the_socket_guard_does_catch_a_connection(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The guard above is not vacuous: a --remote run under it cannot connect."""
+    monkeypatch.setattr(socket, "socket", _NoSockets)
+    monkeypatch.setattr(socket, "create_connection", _NoSockets)
+    assert main(["run", "--remote", "http://127.0.0.1:9", "--prompt", "hi"]) == 1
+    assert "a socket was opened without --remote" in capsys.readouterr().err
