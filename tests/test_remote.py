@@ -288,18 +288,26 @@ def test_the_remote_config_key_is_used_and_a_model_on_the_command_line_beats_it(
 # --------------------------------------------------------------------------- no socket without --remote
 
 
+SOCKET_ATTEMPTS: list[tuple[Any, ...]] = []
+
+
 class _NoSockets:
+    """Counts every attempt (an error could be swallowed on the way) and refuses it."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a socket was opened without --remote")
+        SOCKET_ATTEMPTS.append(args)
+        raise PermissionError("a socket was opened without --remote")
 
 
 @pytest.mark.timeout(120)
 def test_a_local_run_opens_no_socket(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "socket", _NoSockets)
     monkeypatch.setattr(socket, "create_connection", _NoSockets)
+    SOCKET_ATTEMPTS.clear()
     out = tmp_path / "o.json"
     assert main(["run", "--demo", "--prompt", "2 + 3 = ?", "--thinking-effort", "low", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["answer"] == _demo_row("low")["answer"]
+    assert SOCKET_ATTEMPTS == []
 
 
 @pytest.mark.timeout(60)
@@ -308,5 +316,7 @@ def test_the_socket_guard_does_catch_a_connection(home: Path, monkeypatch: pytes
     """The guard above is not vacuous: a --remote run under it cannot connect."""
     monkeypatch.setattr(socket, "socket", _NoSockets)
     monkeypatch.setattr(socket, "create_connection", _NoSockets)
+    SOCKET_ATTEMPTS.clear()
     assert main(["run", "--remote", "http://127.0.0.1:9", "--prompt", "hi"]) == 1
     assert "a socket was opened without --remote" in capsys.readouterr().err
+    assert SOCKET_ATTEMPTS != []
