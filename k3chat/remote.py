@@ -588,5 +588,17 @@ class RemoteConversation:
             log.error("could not save the partial answer: %s", exc)
 
 
-__all__ = ["Endpoint", "RemoteClient", "RemoteConversation", "RemoteError", "RemoteRefused", "RemoteTurnResult",
+def remote_conversation_factory(client: RemoteClient, model: str) -> Callable[..., RemoteConversation]:
+    """A maker with Conversation's signature (what the app calls), bound to this server and model."""
+
+    def make(_model: Any, _tokenizer: Any, store: HistoryStore, session_id: str, *, thinking: bool = True,
+             effort: str | None = "max", max_tokens: int = 4096, **_local: Any) -> RemoteConversation:
+        # _local: context, model_name, state options: the local engine's, not the server's
+        return RemoteConversation(client, model, store, session_id, thinking=thinking, effort=effort,
+                                  max_tokens=max_tokens)
+
+    return make
+
+
+__all__ = ["remote_conversation_factory", "Endpoint", "RemoteClient", "RemoteConversation", "RemoteError", "RemoteRefused", "RemoteTurnResult",
            "normalise_url", "read_api_key", "resolve_model", "chat_payload", "API_KEY_ENV"]

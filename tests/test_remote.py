@@ -310,13 +310,123 @@ def test_a_local_run_opens_no_socket(home: Path, tmp_path: Path, monkeypatch: py
     assert SOCKET_ATTEMPTS == []
 
 
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    SOCKET_ATTEMPTS.append(args)
+    raise PermissionError("a socket was opened without --remote")
+
+
+def _guard_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No connection, bind or name lookup; asyncio's in-process socketpair (the app's event
+    loop) stays possible, which guarding socket.socket itself would break."""
+    for name in ("connect", "connect_ex", "bind", "sendto"):
+        monkeypatch.setattr(socket.socket, name, _refuse)
+    for name in ("create_connection", "getaddrinfo", "create_server"):
+        monkeypatch.setattr(socket, name, _refuse)
+
+
 @pytest.mark.timeout(60)
-def test_the_socket_guard_does_catch_a_connection(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """The guard above is not vacuous: a --remote run under it cannot connect."""
-    monkeypatch.setattr(socket, "socket", _NoSockets)
-    monkeypatch.setattr(socket, "create_connection", _NoSockets)
+@pytest.mark.parametrize("guard", ["construction", "network"])
+def test_the_socket_guards_do_catch_a_connection(guard: str, home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The guards are not vacuous: a --remote run under either cannot connect."""
+    if guard == "construction":
+        monkeypatch.setattr(socket, "socket", _NoSockets)
+        monkeypatch.setattr(socket, "create_connection", _NoSockets)
+    else:
+        _guard_network(monkeypatch)
     SOCKET_ATTEMPTS.clear()
     assert main(["run", "--remote", "http://127.0.0.1:9", "--prompt", "hi"]) == 1
     assert "a socket was opened without --remote" in capsys.readouterr().err
     assert SOCKET_ATTEMPTS != []
+
+
+# --------------------------------------------------------------------------- the app
+
+
+textual = pytest.importorskip("textual")
+
+
+async def _until(pilot: Any, condition: Any, what: str, timeout: float = 120.0) -> None:
+    import time
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def _ask(app: Any, pilot: Any, text: str) -> None:
+    before = app.turns_over
+    app.chat.prompt.set_text(text)
+    await pilot.press("enter")
+    await _until(pilot, lambda: app.turns_over > before, "the turn to end")
+    await pilot.pause(0.05)
+
+
+def _screen_text(app: Any) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+@pytest.mark.timeout(240)
+def test_the_app_on_our_server_says_it_is_remote_and_keeps_history_and_reasoning(
+        server: ServerProc, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from k3chat.app import build_app
+    from k3chat.app.engine import open_remote_engine
+    from k3chat.app.widgets.reasoning import ReasoningBlock
+    from k3chat.app.widgets.transcript import AnswerBlock
+    from k3chat.remote import Endpoint
+    from k3chat.settings import Settings
+
+    row = _demo_row("low")
+    endpoint = Endpoint(url=server.url + "/v1", api_key=KEY)
+    app = build_app(Path("the server"), settings=Settings(effort="low"), demo=False,
+                    engine_factory=lambda _d, _s, progress: open_remote_engine(endpoint, progress))
+
+    async def scenario() -> str:
+        async with app.run_test(size=(170, 45)) as pilot:
+            await _until(pilot, lambda: app.ready, "the remote model to be found")
+            status = " ".join(app.chat.status.parts())
+            assert "k3chat-demo (remote)" in status and f"remote: {server.url}/v1" in status
+            await _ask(app, pilot, row["messages"][0]["content"])
+            assert app.ui_errors == []
+            assert app.chat.query(ReasoningBlock).last().text == row["reasoning"]
+            assert row["answer"] in app.chat.query(AnswerBlock).last().text
+            await _ask(app, pilot, "and 1 + 1?")
+            assert app.ui_errors == []
+            sid = app.conv.session_id
+            await pilot.press("ctrl+q")
+        return sid
+
+    sid = asyncio.run(asyncio.wait_for(scenario(), 200))
+    records = HistoryStore().load(sid).records
+    assert [r["role"] for r in records] == ["user", "assistant", "user", "assistant"]
+    assert (records[1]["reasoning_content"], records[1]["content"]) == (row["reasoning"], row["answer"])
+    assert records[3]["tokens"]["reused"] >= len(row["prompt_ids"])  # the server reused the first turn
+    assert KEY.encode() not in _history_bytes(home)
+
+
+@pytest.mark.timeout(240)
+def test_the_app_on_the_demo_model_opens_no_socket(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from k3chat.app import build_app
+    from k3chat.app.widgets.transcript import AnswerBlock
+    from k3chat.settings import Settings
+
+    row = _demo_row("low")
+    _guard_network(monkeypatch)
+    SOCKET_ATTEMPTS.clear()
+    app = build_app(None, settings=Settings(effort="low"), demo=True, threads=1)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(150, 45)) as pilot:
+            await _until(pilot, lambda: app.ready, "the demo model to open")
+            assert "remote" not in " ".join(app.chat.status.parts())
+            await _ask(app, pilot, row["messages"][0]["content"])
+            assert row["answer"] in app.chat.query(AnswerBlock).last().text
+            await pilot.press("ctrl+q")
+
+    asyncio.run(asyncio.wait_for(scenario(), 200))
+    assert SOCKET_ATTEMPTS == []
