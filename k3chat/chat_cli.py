@@ -133,6 +133,7 @@ def _run_settings(args: argparse.Namespace) -> Any:
         "remote": getattr(args, "remote", None),
         "remote_model": getattr(args, "remote_model", None),
         "api_key_file": getattr(args, "api_key_file", None),
+        "remote_ca_file": getattr(args, "remote_ca_file", None),
     }
     s = _settings(overrides)
     if args.model_dir is not None and getattr(args, "remote", None) is None:
@@ -515,7 +516,7 @@ def remote_endpoint(settings: Any) -> Any:
     """The Endpoint of settings.remote, with the key from api_key_file or K3CHAT_API_KEY."""
     from .remote import Endpoint, read_api_key
     key = read_api_key(settings.api_key_file, os.environ)
-    return Endpoint(url=settings.remote, model=settings.remote_model, api_key=key)
+    return Endpoint(url=settings.remote, model=settings.remote_model, api_key=key, ca_file=settings.remote_ca_file)
 
 
 def _remote_turn(args: argparse.Namespace, settings: Any, signals: SignalStops, client: Any, model: str) -> int:

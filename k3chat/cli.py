@@ -59,6 +59,8 @@ def _add_remote_options(p: argparse.ArgumentParser) -> None:
                    help="--remote: the model to ask for (default: the server's first)")
     p.add_argument("--api-key-file", metavar="F", default=None,
                    help="--remote: a file whose first line is the API key (default: K3CHAT_API_KEY)")
+    p.add_argument("--remote-ca-file", metavar="F", default=None,
+                   help="--remote: verify the server's TLS certificate with this CA (PEM) instead of the system's")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -184,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .chat_cli import run_chat, usage_error
     if args.remote is not None and (args.demo or args.model_dir is not None or args.ids is not None):
         return usage_error("--remote chats with a server's model: give no MODEL_DIR, --demo or --ids with it")
-    if args.remote is None and (args.remote_model is not None or args.api_key_file is not None):
+    if args.remote is None and (args.remote_model, args.api_key_file, args.remote_ca_file) != (None, None, None):
         return _remote_needed(args, run_chat)
     if args.demo:
         if args.model_dir is not None:
@@ -229,7 +231,7 @@ def _remote_needed(args: argparse.Namespace, then: "Callable[[argparse.Namespace
     except SettingsError as exc:
         return usage_error(str(exc))
     if configured is None or args.demo or args.model_dir is not None:
-        return usage_error("--model and --api-key-file are for --remote (or `remote` in config.toml)")
+        return usage_error("--model, --api-key-file and --remote-ca-file are for --remote (or `remote` in config.toml)")
     return then(args)
 
 
@@ -246,7 +248,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return usage_error("give MODEL_DIR or --demo, not both")
     if args.remote is not None and (args.demo or args.model_dir is not None):
         return usage_error("--remote chats with a server's model: give no MODEL_DIR or --demo with it")
-    if args.remote is None and (args.remote_model is not None or args.api_key_file is not None):
+    if args.remote is None and (args.remote_model, args.api_key_file, args.remote_ca_file) != (None, None, None):
         return _remote_needed(args, _chat_with_configured_remote)
     overrides = {
         "model": args.model_dir,
@@ -257,6 +259,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "remote": args.remote,
         "remote_model": args.remote_model,
         "api_key_file": args.api_key_file,
+        "remote_ca_file": args.remote_ca_file,
     }
     try:
         settings = merge_cli(load_settings(), overrides)

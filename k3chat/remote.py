@@ -105,7 +105,7 @@ class Endpoint:
     url: str  # normalised, ending in /v1
     model: str | None = None  # None: the server's first (usually only) model
     api_key: str | None = field(default=None, repr=False)
-    verify: bool = True
+    ca_file: Path | None = None  # a private CA's certificate(s) instead of the system's trust store
 
     @property
     def host(self) -> str:
@@ -145,6 +145,19 @@ def _status_error(status: int, detail: str, endpoint: Endpoint) -> RemoteError:
     return RemoteError(f"the server at {endpoint.host} answered HTTP {status}{said}", status=status)
 
 
+def _tls_context(ca_file: Path | None) -> Any:
+    """Certificates and host names always verified; by a private CA when one is given."""
+    import ssl
+
+    if ca_file is None:
+        return True  # the client's default: verified against the system's trust store
+    try:
+        return ssl.create_default_context(cafile=str(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise RemoteError(f"--remote-ca-file {ca_file}: not a readable PEM certificate file ({exc})",
+                          EXIT_USAGE) from None
+
+
 class RemoteClient:
     """Chat completions over HTTP(S) to one host. ``transport`` is for tests (recorded streams)."""
 
@@ -158,7 +171,7 @@ class RemoteClient:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
         # trust_env=False: no proxy or netrc from the environment, so only this host is contacted.
         self._client = httpx2.Client(
-            base_url=endpoint.url + "/", headers=headers, verify=endpoint.verify, trust_env=False,
+            base_url=endpoint.url + "/", headers=headers, verify=_tls_context(endpoint.ca_file), trust_env=False,
             follow_redirects=False, transport=transport,
             timeout=httpx2.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
 
@@ -166,6 +179,11 @@ class RemoteClient:
         self._client.close()
 
     def _unreachable(self, exc: Exception) -> RemoteError:
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            trusted = f"the CA in {self.endpoint.ca_file}" if self.endpoint.ca_file else "the system's trust store"
+            return RemoteError(f"the TLS certificate of {self.endpoint.host} could not be verified against {trusted} "
+                               f"({exc}); for a private CA give its certificate with --remote-ca-file (or "
+                               "`remote_ca_file` in config.toml)")
         return RemoteError(f"cannot reach the server at {self.endpoint.url} ({type(exc).__name__}: {exc}); is it "
                            "running, and is the address right?")
 

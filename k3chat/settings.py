@@ -9,6 +9,7 @@ Example (every key optional)::
     remote = "https://k3.example:8000"   # an OpenAI-compatible server instead of the local model
     remote_model = "kimi-k3"             # omit for the server's first model
     api_key_file = "~/.config/k3chat/api-key"  # else K3CHAT_API_KEY; never stored in history
+    remote_ca_file = "~/company-ca.pem"  # a private CA for the server's TLS certificate
 
     [thinking]
     enabled = true
@@ -87,6 +88,7 @@ class Settings:
     remote: str | None = None  # the API base of a remote server (k3chat.remote), normalised
     remote_model: str | None = None
     api_key_file: Path | None = None
+    remote_ca_file: Path | None = None
 
 
 # --------------------------------------------------------------------------- value checks
@@ -147,6 +149,12 @@ def _remote_model(value: object) -> str:
 def _key_file(value: object) -> Path:
     if not _string(value).strip():
         raise ValueError("must be a path to a file holding the API key")
+    return Path(value).expanduser()  # type: ignore[arg-type]
+
+
+def _model_like_path(value: object) -> Path:
+    if not _string(value).strip():
+        raise ValueError("must be a path to a PEM file")
     return Path(value).expanduser()  # type: ignore[arg-type]
 
 
@@ -231,6 +239,7 @@ _TOML_KEYS: dict[str, tuple[str, Callable[[object], Any]]] = {
     "remote": ("remote", _remote),
     "remote_model": ("remote_model", _remote_model),
     "api_key_file": ("api_key_file", _key_file),
+    "remote_ca_file": ("remote_ca_file", _model_like_path),
     "thinking.enabled": ("thinking", _boolean),
     "thinking.effort": ("effort", _choice(EFFORTS)),
     "thinking.display": ("reasoning_display", _choice(REASONING_DISPLAYS)),

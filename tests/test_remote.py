@@ -235,6 +235,30 @@ def test_a_server_error_status_says_what_the_server_said(home: Path, capsys: pyt
 # --------------------------------------------------------------------------- connection problems and usage
 
 
+@pytest.mark.timeout(60)
+def test_tls_is_verified_a_certificate_nobody_trusts_is_refused(home: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from remote_peer import self_signed
+    with ReplayPeer(tls=self_signed(tmp_path)) as peer:
+        assert main(["run", "--remote", peer.url, "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "could not be verified against the system's trust store" in err and "--remote-ca-file" in err and "nothing was saved" in err
+    assert peer.requests == []  # no request was sent over the unverified connection
+    assert _sessions(home) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_private_ca_given_with_remote_ca_file_is_trusted(home: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from remote_peer import self_signed
+    cert, key = self_signed(tmp_path)
+    out = tmp_path / "o.json"
+    with ReplayPeer(tls=(cert, key)) as peer:
+        code = main(["run", "--remote", peer.url, "--remote-ca-file", str(cert), "--prompt", "hi", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["answer"] == ANSWER
+
+
 def _closed_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -259,7 +283,7 @@ def test_connection_refused_is_a_clear_error_and_nothing_is_saved(home: Path,
     (["--remote", "http://127.0.0.1:1", "--memory", "8G"], "--memory is for the local model"),
     (["--remote", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: no such"),
     (["--demo", "--remote", "http://127.0.0.1:1"], "give no MODEL_DIR, --demo or --ids"),
-    (["--demo", "--model", "x"], "--model and --api-key-file are for --remote"),
+    (["--demo", "--model", "x"], "--model, --api-key-file and --remote-ca-file are for --remote"),
 ])
 def test_remote_usage_problems_exit_2_with_the_reason(argv: list[str], message: str, home: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
