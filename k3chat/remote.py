@@ -352,6 +352,7 @@ class RemoteConversation:
         self.session_settings: dict[str, Any] = dict(getattr(loaded, "settings", {}))
         self._cancel = threading.Event()
         self._aborted = threading.Event()
+        self._response: Any = None  # the stream in flight, closed by abort()
         self._last_prompt_tokens = 0
 
     # ------------------------------------------------------------------ Conversation's surface
@@ -376,8 +377,15 @@ class RemoteConversation:
         self._cancel.set()
 
     def abort(self) -> None:
+        """Stop now (a second Ctrl-C): close the stream in flight, even if the server is silent."""
         self._aborted.set()
         self._cancel.set()
+        response = self._response
+        if response is not None:
+            try:
+                response.close()
+            except Exception:  # closing from another thread: the reader sees the end either way
+                pass
 
     def prompt_ids(self, text: str | None = None) -> list[int]:
         raise ConversationError("the prompt is tokenized by the remote server")
@@ -470,17 +478,30 @@ class RemoteConversation:
         except BaseException:
             response.close()
             raise
+        self._response = response
         try:
-            result = self._read(response, stream, on_event, thinking)
+            result = self._read_or_stop(response, stream, on_event, thinking)
         except RemoteError as exc:
             raise self._failed(turn, thinking, effort, settings, stream, started, exc, on_event) from exc
         except BaseException:
             self._save_quietly(turn, thinking, effort, settings, stream, started)
             raise
         finally:
+            self._response = None
             response.close()  # on cancel, the server sees the client go away and stops
         stop, message = result
         return self._finish(turn, thinking, effort, settings, stream, started, stop, message, on_event)
+
+    def _read_or_stop(self, response: Any, stream: _Stream, emit: EventHandler,
+                      thinking: bool) -> tuple[str, str | None]:
+        """_read, where whatever a stream closed by abort() raises means "stopped on request"."""
+        stopped = "stopped on request; what the model said so far was kept, marked interrupted"
+        try:
+            return self._read(response, stream, emit, thinking)
+        except Exception:
+            if self._aborted.is_set():
+                return "cancelled", stopped
+            raise
 
     def _read(self, response: Any, stream: _Stream, emit: EventHandler, thinking: bool) -> tuple[str, str | None]:
         phase = ""

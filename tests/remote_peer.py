@@ -18,11 +18,14 @@ MODEL = "moonshotai/Kimi-K3"
 
 class ReplayPeer:
     def __init__(self, stream: str = "vllm_reasoning_content.sse", *, status: int = 200, error: str = "",
-                 cut: bool = False, tls: tuple[Path, Path] | None = None) -> None:
+                 cut: bool = False, tls: tuple[Path, Path] | None = None, stall_after: int | None = None) -> None:
         self.body = (DATA / stream).read_bytes()
         self.status = status
         self.error = error
         self.cut = cut  # stop the chunked body without its last chunk, then close
+        self.stall_after = stall_after  # lines sent before the peer goes silent (until release, 20 s at most)
+        self.release = threading.Event()
+        self.stalled = threading.Event()
         self.requests: list[dict[str, Any]] = []
         peer = self
 
@@ -62,8 +65,15 @@ class ReplayPeer:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for line in peer.body.splitlines(keepends=True):
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                for n, line in enumerate(peer.body.splitlines(keepends=True)):
+                    if n == peer.stall_after:
+                        self.wfile.flush()
+                        peer.stalled.set()
+                        peer.release.wait(20)
+                    try:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    except OSError:
+                        return  # the client went away
                 if peer.cut:
                     self.wfile.flush()
                     self.close_connection = True
@@ -90,6 +100,7 @@ class ReplayPeer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(10)

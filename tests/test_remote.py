@@ -232,6 +232,44 @@ def test_a_server_error_status_says_what_the_server_said(home: Path, capsys: pyt
     assert _sessions(home) == []
 
 
+@pytest.mark.timeout(60)
+def test_abort_stops_a_silent_stream_at_once_and_keeps_what_arrived(home: Path) -> None:
+    import threading
+    import time
+
+    from k3chat.events import ReasoningToken, TurnDone
+    from k3chat.remote import Endpoint, RemoteClient, RemoteConversation
+
+    # 2 lines per event (data + blank): the role chunk and the five reasoning chunks, then silence
+    with ReplayPeer(stall_after=12) as peer:
+        store = HistoryStore()
+        info = store.create("abort")
+        client = RemoteClient(Endpoint(url=peer.url + "/v1", model=MODEL))
+        conv = RemoteConversation(client, MODEL, store, info.id)
+        done: list[Any] = []
+        all_reasoning = threading.Event()
+
+        def seen(event: Any) -> None:
+            done.append(event)
+            if sum(isinstance(e, ReasoningToken) for e in done) == 5:
+                all_reasoning.set()
+
+        def stop_when_silent() -> None:
+            if peer.stalled.wait(20) and all_reasoning.wait(20):
+                conv.abort()
+
+        threading.Thread(target=stop_when_silent, daemon=True).start()
+        started = time.monotonic()
+        result = conv.send("9.11 and 9.8, which is greater?", on_event=seen)
+        elapsed = time.monotonic() - started
+        client.close()
+    assert elapsed < 10  # not the peer's 20 s of silence
+    assert (result.stop, result.interrupted, result.reasoning, result.answer) == ("cancelled", True, REASONING, "")
+    assert isinstance(done[-1], TurnDone)
+    record = store.load(info.id).records[-1]
+    assert (record["reasoning_content"], record["content"], record["interrupted"]) == (REASONING, "", True)
+
+
 # --------------------------------------------------------------------------- connection problems and usage
 
 
