@@ -322,6 +322,22 @@ def _delta_texts(doc: Mapping[str, Any]) -> tuple[str, str, str | None]:
     return str(reasoning), str(content), choice.get("finish_reason")
 
 
+def _shut_down(response: Any) -> None:
+    """End a stream another thread is blocked reading: closing the response alone does not
+    wake a read in flight, shutting its socket down does (the reader then sees the end)."""
+    import socket
+
+    stream = response.extensions.get("network_stream") if hasattr(response, "extensions") else None
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+        else:
+            response.close()
+    except Exception:  # already closed, or closing from another thread: the reader sees the end either way
+        pass
+
+
 class RemoteConversation:
     """One session's conversation with a remote model; Conversation's surface, no engine.
 
@@ -382,10 +398,7 @@ class RemoteConversation:
         self._cancel.set()
         response = self._response
         if response is not None:
-            try:
-                response.close()
-            except Exception:  # closing from another thread: the reader sees the end either way
-                pass
+            _shut_down(response)
 
     def prompt_ids(self, text: str | None = None) -> list[int]:
         raise ConversationError("the prompt is tokenized by the remote server")
@@ -587,7 +600,8 @@ class RemoteConversation:
             greedy=settings.greedy, saved=saved, completion_tokens=completion)
 
     def _emit_end_stats(self, result: TurnResult, emit: EventHandler) -> None:
-        emit(Prefill(result.prompt_tokens, result.reused_tokens, result.prefilled_tokens, result.reuse_source))
+        if result.prompt_tokens:  # the server's usage; without it there is nothing true to say
+            emit(Prefill(result.prompt_tokens, result.reused_tokens, result.prefilled_tokens, result.reuse_source))
         emit(Stats(prompt_tokens=result.prompt_tokens, reused_tokens=result.reused_tokens,
                    prefilled_tokens=result.prefilled_tokens, generated_tokens=result.generated_tokens,
                    prefill_seconds=result.prefill_seconds, decode_seconds=result.decode_seconds,

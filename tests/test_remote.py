@@ -270,6 +270,35 @@ def test_abort_stops_a_silent_stream_at_once_and_keeps_what_arrived(home: Path) 
     assert (record["reasoning_content"], record["content"], record["interrupted"]) == (REASONING, "", True)
 
 
+@pytest.mark.timeout(90)
+def test_ctrl_c_twice_stops_run_remote_on_a_silent_server_saved_and_exit_5(home: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "o.json"
+    with ReplayPeer(stall_after=12) as peer:
+        env = {**os.environ, "K3CHAT_HOME": str(home)}
+        proc = subprocess.Popen([sys.executable, "-m", "k3chat", "run", "--remote", peer.url, "--prompt", "hi",
+                                 "--json", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True)
+        try:
+            assert peer.stalled.wait(30), "the run never reached the peer"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)  # first: after the event in flight, but none comes
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)  # second: close the stream now
+            _, err = proc.communicate(timeout=15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 5, err
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["stop"] == "cancelled"
+    assert HistoryStore().load(doc["session"]).records[-1]["interrupted"] is True
+
+
 # --------------------------------------------------------------------------- connection problems and usage
 
 
