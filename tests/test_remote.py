@@ -521,3 +521,16 @@ def test_the_app_on_the_demo_model_opens_no_socket(home: Path, monkeypatch: pyte
 
     asyncio.run(asyncio.wait_for(scenario(), 200))
     assert SOCKET_ATTEMPTS == []
+
+
+def test_the_http_client_is_loaded_only_for_remote() -> None:
+    """A local run does not even import the HTTP client; k3chat.remote without a client does not either."""
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import sys, k3chat.cli, k3chat.chat_cli, k3chat.app, k3chat.remote, k3chat.settings; "
+            "k3chat.settings.load_settings(); k3chat.cli.build_parser().parse_args(['run', '--remote', 'http://h', "
+            "'--prompt', 'x']); assert 'httpx2' not in sys.modules and 'httpx' not in sys.modules; "
+            "k3chat.remote.RemoteClient(k3chat.remote.Endpoint('http://h/v1')); assert 'httpx2' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tempfile.gettempdir())
