@@ -333,6 +333,7 @@ def _chat_local(args: argparse.Namespace, settings: "Settings") -> int:
 def _run_app(args: argparse.Namespace, settings: "Settings", model: object, factory: object,
              configured_model: object, *, memory: str | None = None) -> int:
     from .app import AppUsageError, build_app
+    from .chat_cli import usage_error
     from .history import HistoryError
     from .paths import UnsafePathError
     from .vault import VaultError

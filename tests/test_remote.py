@@ -359,6 +359,20 @@ def test_remote_usage_problems_exit_2_with_the_reason(argv: list[str], message: 
     assert _sessions(home) == []
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--remote", "ftp://host"], "not an http:// or https:// address"),
+    (["--remote", "http://127.0.0.1:1", "--memory", "8G"], "--memory is for the local model"),
+    (["--remote", "http://127.0.0.1:1", "--threads", "2", "--context", "9"], "--threads, --context are for the local"),
+    (["--demo", "--remote", "http://127.0.0.1:1"], "give no MODEL_DIR or --demo"),
+    (["--remote", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key"),
+    (["--remote", "http://127.0.0.1:1"], "needs a terminal"),  # the remote app is built, then refused here
+])
+def test_chat_remote_usage_problems_exit_2_with_the_reason(argv: list[str], message: str, home: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chat", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.timeout(60)
 def test_the_remote_config_key_is_used_and_a_model_on_the_command_line_beats_it(
         home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
