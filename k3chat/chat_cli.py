@@ -130,9 +130,15 @@ def _run_settings(args: argparse.Namespace) -> Any:
         "top_k": args.top_k,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
+        "remote": getattr(args, "remote", None),
+        "remote_model": getattr(args, "remote_model", None),
+        "api_key_file": getattr(args, "api_key_file", None),
+        "remote_ca_file": getattr(args, "remote_ca_file", None),
     }
     s = _settings(overrides)
-    if s.model is None:
+    if args.model_dir is not None and getattr(args, "remote", None) is None:
+        s = dataclasses.replace(s, remote=None)  # a model named on the command line beats a configured remote
+    if s.model is None and s.remote is None:
         raise _Usage("MODEL_DIR is required (or --demo, or set `model` in config.toml)")
     return s
 
@@ -345,6 +351,8 @@ def _check_not_being_answered(store: HistoryStore, info: SessionInfo) -> None:
 def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     _check_args(args)
     settings = _run_settings(args)
+    if settings.remote is not None:
+        return _run_remote_chat(args, settings, signals)
     from .runtime import model_directory
     model_dir, note = model_directory(settings.model)  # before anything reads the checkpoint
     if note:
@@ -413,12 +421,14 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
 
 
 def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, created: bool,
-              system: str | None, model: Any, tokenizer: Any, signals: SignalStops, context: int) -> int:
+              system: str | None, model: Any, tokenizer: Any, signals: SignalStops, context: int,
+              conv: Any = None) -> int:
     from k3engine.model import ExpertReadError
 
     from .conversation import ContextOverflow, ConversationError, TurnFailed
 
-    conv = _conversation(args, settings, store, info, model, tokenizer, context)
+    if conv is None:
+        conv = _conversation(args, settings, store, info, model, tokenizer, context)
     if isinstance(conv, int):
         return conv
     if not conv.sampler.greedy:
@@ -429,7 +439,10 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
     signals.policy.bind(after_step=conv.cancel, abort_step=conv.abort)
     printer = _Printer(info)
-    payload: dict[str, Any] = {"session": info.id, "session_name": info.name, "model_dir": str(settings.model)}
+    payload: dict[str, Any] = {"session": info.id, "session_name": info.name,
+                               "model_dir": None if settings.model is None else str(settings.model)}
+    if settings.remote is not None:
+        payload.update(remote=settings.remote, model=conv.model_name)
     code = EXIT_OK
     result = None
     try:
@@ -473,6 +486,81 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
             _err(f"cannot write {args.json_out}: {exc}")
             code = code or EXIT_RUNTIME
     return code
+
+
+def _run_remote_chat(args: argparse.Namespace, settings: Any, signals: SignalStops) -> int:
+    """run --prompt against an OpenAI-compatible server (k3chat.remote): the same session
+    handling, printer, summary and JSON as a local run; no local model is opened."""
+    from .remote import RemoteClient, RemoteError, resolve_model
+
+    local_only = {"--memory": args.memory, "--threads": args.threads, "--lookahead": args.lookahead,
+                  "--context": args.context, "--scalar": args.scalar or None}
+    given = [name for name, value in local_only.items() if value is not None]
+    if given:
+        raise _Usage(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the remote "
+                     "server has its own")
+    try:
+        client = RemoteClient(remote_endpoint(settings))
+    except RemoteError as exc:
+        raise Failure(exc.message, exc.code) from None
+    try:
+        model = resolve_model(client)
+        return _remote_turn(args, settings, signals, client, model)
+    except RemoteError as exc:
+        return _fail(f"{exc.message}; nothing was saved", exc.code)
+    finally:
+        client.close()
+
+
+def remote_endpoint(settings: Any) -> Any:
+    """The Endpoint of settings.remote, with the key from api_key_file or K3CHAT_API_KEY."""
+    from .remote import Endpoint, read_api_key
+    key = read_api_key(settings.api_key_file, os.environ)
+    return Endpoint(url=settings.remote, model=settings.remote_model, api_key=key, ca_file=settings.remote_ca_file)
+
+
+def _remote_turn(args: argparse.Namespace, settings: Any, signals: SignalStops, client: Any, model: str) -> int:
+    from . import paths
+    from .conversation import sampler_settings
+    from .remote import RemoteConversation
+
+    try:
+        store = _open_store()
+        info, system = _prepare_session(store, args)
+    except VaultError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except SessionBusy as exc:
+        return _fail(str(exc))
+    except (HistoryError, paths.UnsafePathError, OSError) as exc:
+        return _fail(f"cannot open the history: {exc}")
+    if signals.requested.is_set():
+        return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
+    created: SessionInfo | None = None
+    try:
+        if info is None:
+            name = args.session or _session_name(args.prompt)
+            try:
+                info = created = store.create(name, model=model, unique_name=args.session is not None,
+                                              numbered=args.session is None)
+            except SessionExists as exc:
+                return _fail(f"another k3chat created session {exc.info.name!r} ({exc.info.id}) after this run "
+                             f"started; nothing was saved; continue it with --session {exc.info.id}")
+            except (HistoryError, OSError) as exc:
+                return _fail(f"cannot create the session: {exc}")
+        try:
+            conv = RemoteConversation(client, model, store, info.id, thinking=settings.thinking,
+                                      effort=settings.effort, max_tokens=settings.max_tokens)
+        except (HistoryError, OSError) as exc:
+            return _fail(f"cannot load session {info.id}: {exc}")
+        conv.sampler = sampler_settings(sampling=settings.sampling, temperature=settings.temperature,
+                                        top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
+                                        records=conv.records)
+        _err(f"session {info.name!r} ({info.id}): {client.endpoint.describe(model)}")
+        return _run_turn(args, settings, store, info, created is not None, system, None, None, signals, 0,
+                         conv=conv)
+    finally:
+        if created is not None:
+            _discard_if_empty(store, created)
 
 
 def _summary(result: Any, info: SessionInfo) -> None:

@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from typing import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
@@ -45,6 +49,18 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _add_remote_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote", metavar="URL", default=None,
+                   help="chat with an OpenAI-compatible server (vLLM, SGLang, k3chat serve) at URL instead of a "
+                        "local model; default: `remote` in config.toml")
+    p.add_argument("--model", dest="remote_model", metavar="NAME", default=None,
+                   help="--remote: the model to ask for (default: the server's first)")
+    p.add_argument("--api-key-file", metavar="F", default=None,
+                   help="--remote: a file whose first line is the API key (default: K3CHAT_API_KEY)")
+    p.add_argument("--remote-ca-file", metavar="F", default=None,
+                   help="--remote: verify the server's TLS certificate with this CA (PEM) instead of the system's")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -81,6 +97,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "(every weight resident, no plan); default: config.toml, else auto")
     r.add_argument("--lookahead", type=int, default=None, metavar="N",
                    help="experts per token prefetched for the next layer (default: top-k; 0 = off)")
+    _add_remote_options(r)
 
 
 def _add_sessions(sub: argparse._SubParsersAction) -> None:
@@ -135,6 +152,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    _add_remote_options(c)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -166,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat_cli import run_chat, usage_error
+    if args.remote is not None and (args.demo or args.model_dir is not None or args.ids is not None):
+        return usage_error("--remote chats with a server's model: give no MODEL_DIR, --demo or --ids with it")
+    if args.remote is None and (args.remote_model, args.api_key_file, args.remote_ca_file) != (None, None, None):
+        return _remote_needed(args, run_chat)
     if args.demo:
         if args.model_dir is not None:
             return usage_error("give MODEL_DIR or --demo, not both")
@@ -200,6 +222,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_ids(args)
 
 
+def _remote_needed(args: argparse.Namespace, then: "Callable[[argparse.Namespace], int]") -> int:
+    """--model / --api-key-file without --remote: fine when config.toml names a remote."""
+    from .chat_cli import usage_error
+    from .settings import SettingsError, load_settings
+    try:
+        configured = load_settings().remote
+    except SettingsError as exc:
+        return usage_error(str(exc))
+    if configured is None or args.demo or args.model_dir is not None:
+        return usage_error("--model, --api-key-file and --remote-ca-file are for --remote (or `remote` in config.toml)")
+    return then(args)
+
+
 def cmd_sessions(args: argparse.Namespace) -> int:
     from .chat_cli import sessions_main
     return sessions_main(args)
@@ -211,17 +246,69 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.demo and args.model_dir is not None:
         return usage_error("give MODEL_DIR or --demo, not both")
+    if args.remote is not None and (args.demo or args.model_dir is not None):
+        return usage_error("--remote chats with a server's model: give no MODEL_DIR or --demo with it")
+    if args.remote is None and (args.remote_model, args.api_key_file, args.remote_ca_file) != (None, None, None):
+        return _remote_needed(args, _chat_with_configured_remote)
     overrides = {
         "model": args.model_dir,
         "memory": args.memory,
         "effort": args.thinking_effort,
         "thinking": False if args.no_think else (True if args.thinking_effort else None),
         "max_tokens": args.max_tokens,
+        "remote": args.remote,
+        "remote_model": args.remote_model,
+        "api_key_file": args.api_key_file,
+        "remote_ca_file": args.remote_ca_file,
     }
     try:
         settings = merge_cli(load_settings(), overrides)
     except SettingsError as exc:
         return usage_error(str(exc))
+    if args.demo or args.model_dir is not None:
+        settings = replace(settings, remote=None)  # a model on the command line beats a configured remote
+    if settings.remote is not None:
+        return _chat_remote(args, settings)
+    return _chat_local(args, settings)
+
+
+def _chat_with_configured_remote(args: argparse.Namespace) -> int:
+    from .chat_cli import usage_error
+    from .settings import SettingsError, load_settings
+    try:
+        args.remote = load_settings().remote
+    except SettingsError as exc:
+        return usage_error(str(exc))
+    return cmd_chat(args)
+
+
+def _chat_remote(args: argparse.Namespace, settings: object) -> int:
+    """The app on a remote model (k3chat.remote): the same app, sessions and history."""
+    from urllib.parse import urlsplit
+
+    from .app.engine import open_remote_engine
+    from .chat_cli import remote_endpoint, usage_error
+    from .remote import RemoteError
+
+    local_only = {"--memory": args.memory, "--threads": args.threads, "--context": args.context}
+    given = [name for name, value in local_only.items() if value is not None]
+    if given:
+        return usage_error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the "
+                           "remote server has its own")
+    try:
+        endpoint = remote_endpoint(settings)
+    except RemoteError as exc:
+        return usage_error(exc.message) if exc.code == EXIT_USAGE else exc.code
+    where = Path(f"the server at {urlsplit(endpoint.url).netloc}")  # what "Opening ..." names
+
+    def factory(_dir: object, _settings: object, progress: Callable[[str], None]) -> object:
+        return open_remote_engine(endpoint, progress)
+
+    return _run_app(args, settings, where, factory, configured_model=None)
+
+
+def _chat_local(args: argparse.Namespace, settings: "Settings") -> int:
+    from .chat_cli import usage_error
     from .runtime import Failure, memory_option
     try:
         memory = memory_option(args.memory, settings.memory)
@@ -239,13 +326,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if note:
             say(note)  # stays on the terminal below the app's screen
         settings = replace(settings, model=model_dir)
+    return _run_app(args, settings, None if args.demo else settings.model, None, configured_model,
+                    memory=memory)
+
+
+def _run_app(args: argparse.Namespace, settings: "Settings", model: object, factory: object,
+             configured_model: object, *, memory: str | None = None) -> int:
     from .app import AppUsageError, build_app
+    from .chat_cli import usage_error
     from .history import HistoryError
     from .paths import UnsafePathError
     from .vault import VaultError
 
     try:
-        app = build_app(None if args.demo else settings.model, settings=settings, demo=args.demo,
+        app = build_app(model, settings=settings, demo=args.demo, engine_factory=factory,  # type: ignore[arg-type]
                         session=args.session, memory=memory, threads=args.threads, context=args.context,
                         thinking_given=bool(args.no_think or args.thinking_effort))
     except AppUsageError as exc:
@@ -262,7 +356,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     problem = terminal_problem()
     if problem is not None:
         return usage_error(problem)
-    app.resume_command = _resume_command(args, settings.model, configured_model)
+    app.resume_command = _resume_command(args, settings.model, configured_model, settings.remote)
     code = app.run()
     if app.load_error:
         from .app.text import neutralise
@@ -293,12 +387,16 @@ def _isatty(stream: object) -> bool:
         return False
 
 
-def _resume_command(args: argparse.Namespace, model: object, configured: object) -> str:
+def _resume_command(args: argparse.Namespace, model: object, configured: object, remote: object = None) -> str:
     """`k3chat chat ...` as it must be typed to reach the same model again (less --session)."""
     import shlex
 
     parts = ["k3chat", "chat"]
-    if args.demo and configured is not None:
+    if args.remote is not None:
+        parts += ["--remote", shlex.quote(str(remote or args.remote))]
+        if args.remote_model is not None:
+            parts += ["--model", shlex.quote(args.remote_model)]
+    elif args.demo and configured is not None:
         parts.append("--demo")
     elif args.model_dir is not None and model is not None:
         parts.append(shlex.quote(str(model)))

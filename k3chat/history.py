@@ -209,6 +209,8 @@ def _metadata_problem(key: str, value: object) -> str | None:
         return None if _is_count(value) and value >= 1 else "seq must be an integer >= 1"  # type: ignore[operator]
     if key == "model":
         return _string_problem("model", value)
+    if key == "remote":  # the server that answered (k3chat.remote), never a key
+        return _string_problem("remote", value)
     if key == "thinking":
         return None if isinstance(value, bool) else "thinking must be true or false"
     if key == "effort":

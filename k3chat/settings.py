@@ -6,6 +6,10 @@ Example (every key optional)::
     memory = "12G"            # a size (K/M/G/T), "auto", or a preset name
     max_tokens = 4096         # per-turn generation limit G (spec 5.2)
     theme = "default"
+    remote = "https://k3.example:8000"   # an OpenAI-compatible server instead of the local model
+    remote_model = "kimi-k3"             # omit for the server's first model
+    api_key_file = "~/.config/k3chat/api-key"  # else K3CHAT_API_KEY; never stored in history
+    remote_ca_file = "~/company-ca.pem"  # a private CA for the server's TLS certificate
 
     [thinking]
     enabled = true
@@ -81,6 +85,10 @@ class Settings:
     theme: str = "default"
     reasoning_display: str = "auto"
     keys: dict[str, str] = field(default_factory=dict)
+    remote: str | None = None  # the API base of a remote server (k3chat.remote), normalised
+    remote_model: str | None = None
+    api_key_file: Path | None = None
+    remote_ca_file: Path | None = None
 
 
 # --------------------------------------------------------------------------- value checks
@@ -124,6 +132,29 @@ def _choice(options: tuple[str, ...]) -> Callable[[object], str]:
 def _model(value: object) -> Path:
     if not _string(value).strip():
         raise ValueError("must be a path to the model directory")
+    return Path(value).expanduser()  # type: ignore[arg-type]
+
+
+def _remote(value: object) -> str:
+    from .remote import normalise_url  # plain string work: no socket, no HTTP client
+    return normalise_url(_string(value))
+
+
+def _remote_model(value: object) -> str:
+    if not _string(value).strip():
+        raise ValueError("must be the name of a model the server serves")
+    return str(value).strip()
+
+
+def _key_file(value: object) -> Path:
+    if not _string(value).strip():
+        raise ValueError("must be a path to a file holding the API key")
+    return Path(value).expanduser()  # type: ignore[arg-type]
+
+
+def _model_like_path(value: object) -> Path:
+    if not _string(value).strip():
+        raise ValueError("must be a path to a PEM file")
     return Path(value).expanduser()  # type: ignore[arg-type]
 
 
@@ -205,6 +236,10 @@ _TOML_KEYS: dict[str, tuple[str, Callable[[object], Any]]] = {
     "memory": ("memory", _memory),
     "max_tokens": ("max_tokens", _max_tokens),
     "theme": ("theme", _theme),
+    "remote": ("remote", _remote),
+    "remote_model": ("remote_model", _remote_model),
+    "api_key_file": ("api_key_file", _key_file),
+    "remote_ca_file": ("remote_ca_file", _model_like_path),
     "thinking.enabled": ("thinking", _boolean),
     "thinking.effort": ("effort", _choice(EFFORTS)),
     "thinking.display": ("reasoning_display", _choice(REASONING_DISPLAYS)),

@@ -384,7 +384,8 @@ class K3ChatApp(App[int]):
         assert engine is not None
         s = self.chat_settings
         store = HistoryStore(self.store.root, vault=self.store.vault)
-        conv = Conversation(engine.model, engine.tokenizer, store, session_id,
+        make = engine.conversation_factory or Conversation  # the remote backend has its own
+        conv = make(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
                             context=engine.context, model_name=engine.model_dir.name,
                             **engine.conversation_options)

@@ -38,6 +38,9 @@ class Engine:
     owns_model: bool = True  # close the model when the app closes
     context: int | None = None  # Conversation(context=...): None means the model's own limit
     conversation_options: dict[str, Any] = field(default_factory=dict)  # more Conversation kwargs
+    # Conversation's signature; None is Conversation itself. The remote backend sets both below.
+    conversation_factory: Callable[..., Any] | None = None
+    remote: str | None = None  # the server's API address when the model is remote
 
     def close(self) -> None:
         if self.owns_model:
@@ -52,6 +55,8 @@ EngineFactory = Callable[[Path, Settings, Progress], Engine]
 
 def plan_summary(engine: Engine) -> str:
     """One short line about the memory plan, for the status bar."""
+    if engine.remote is not None:
+        return f"remote: {engine.remote}"  # said plainly: nothing is computed on this machine
     plan = engine.plan
     if plan is None:
         return "all resident"
@@ -78,3 +83,22 @@ def open_engine(model_dir: Path, settings: Settings, progress: Progress, *, memo
     planned = opened.context if opened.plan is not None else context
     return Engine(model=opened.model, tokenizer=opened.tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,
                   plan=opened.plan, memory=memory, context=planned)
+
+
+def open_remote_engine(endpoint: Any, progress: Progress) -> Engine:
+    """A remote model (k3chat.remote) behind the Engine the app knows: the client in place of
+    the model, RemoteConversation in place of Conversation; a failure is a runtime.Failure."""
+    from k3chat.remote import RemoteClient, RemoteError, remote_conversation_factory, resolve_model
+
+    progress(f"Connecting to {endpoint.url}")
+    try:
+        client = RemoteClient(endpoint)
+    except RemoteError as exc:
+        raise Failure(exc.message, exc.code) from None
+    try:
+        model = resolve_model(client)
+    except RemoteError as exc:
+        client.close()
+        raise Failure(exc.message, exc.code) from None
+    return Engine(model=client, tokenizer=None, model_dir=Path(model), name=f"{model} (remote)", memory="remote",
+                  conversation_factory=remote_conversation_factory(client, model), remote=endpoint.url)

@@ -81,7 +81,8 @@ class StatusBar(Static):
         if used is None or limit is None:
             self.context = ""
         else:
-            self.context = f"ctx {'~' if estimate else ''}{used:,}/{short_count(limit)}"
+            limit_text = f"/{short_count(limit)}" if limit > 0 else ""  # 0: the (remote) server's, unknown
+            self.context = f"ctx {'~' if estimate else ''}{used:,}{limit_text}"
         self._show()
 
     def turn_started(self) -> None:
