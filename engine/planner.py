@@ -96,8 +96,10 @@ __all__ = [
 ]
 
 DEFAULT_CONTEXT = 8192
-PREFILL_CHUNK = 64  # tokens per prefill call the work buffers are sized for
+PREFILL_CHUNK = 64  # the smallest prefill chunk a plan gives (the engine's default); plans grow it
 FLOAT = 4  # fp32 activations, state and the widened small vectors
+DOUBLE = 8  # matmul inputs widened for the double-lane kernels, MLA head sums and scores
+INT = 4  # int32 routing lists
 IO_ALIGN = 4096  # direct-I/O alignment of offsets, lengths and buffers
 RING_SLOTS = 2  # a streamed trunk needs a reader one unit ahead, so never one slot
 RING_READ_ALIGN = 64  # kr_unit_layout starts every read that is not coalesced 64-byte aligned
@@ -369,27 +371,60 @@ def mla_bytes_per_position(cfg: ModelConfig) -> int:
 
 def work_buffer_parts(cfg: ModelConfig, context: int,
                       chunk: int = PREFILL_CHUNK) -> dict[str, int]:
-    """Estimated activation and scratch bytes for one prefill chunk of `chunk` tokens.
+    """The bytes the engine allocates for one prefill pass of `chunk` tokens, by kind.
 
-    Mirrors how the forward pass is laid out: the residual stream and the AttnRes block
-    snapshots live for the whole pass; each sublayer's scratch is reused, so only the
-    largest counts; MLA score rows are per compute thread and grow with the context.
+    Mirrors km_chunk (native/k3_model.c) and the sublayers it calls: the residual stream,
+    x, xn, the sublayer output and the AttnRes block snapshots live for the whole pass; one
+    scratch area sized for the largest sublayer (kda/mla/moe/dense_scratch_floats) is
+    reused; each matmul widens its input to doubles for the chunk (kk_widen); the MoE keeps
+    int routing lists (lookahead picks bounded by the expert count); the MLA attention keeps
+    per head (H = 96 on K3) its absorbed query and context in float and in double, plus
+    double scores over every position up to the context. The widened inputs and the MLA
+    head rows are never allocated at the same time (work_buffer_bytes takes the larger).
     """
     t, e = chunk, cfg.hidden
     p, d, hk = cfg.kda_width, cfg.kda_head_dim, cfg.kda_heads
-    h, lat = cfg.mla_heads, cfg.latent_dim
-    kda = t * (6 * p + d + hk) + 3 * (t + cfg.conv_kernel - 1) * p
-    mla = t * (2 * cfg.q_lora_rank + h * cfg.mla_qk_dim + h * cfg.kv_a_dim + cfg.kv_a_dim
-               + 2 * cfg.mla_value_width)
+    h, lat, ne, k = cfg.mla_heads, cfg.latent_dim, cfg.n_experts, cfg.top_k
+    kda = t * (6 * p + d + hk)
+    mla = t * (2 * cfg.q_lora_rank + h * cfg.mla_qk_dim + cfg.kv_a_dim + 2 * cfg.mla_value_width)
     dense = 2 * t * cfg.dense_width
-    moe = t * (2 * cfg.n_experts + 2 * cfg.top_k + cfg.top_k * lat + 4 * lat + e
-               + 2 * cfg.shared_width + 2 * cfg.expert_width)
+    moe = t * (2 * ne + 2 * k + k * lat + 5 * lat + e + 2 * cfg.shared_width
+               + 2 * cfg.expert_width)
+    # the widest input any matmul of the pass takes (kk_matmul, kk_mxfp4_matmul)
+    widest = max(e, p, d, cfg.q_lora_rank, cfg.mla_value_width, cfg.dense_width,
+                 cfg.shared_width, cfg.expert_width, lat)
+    r = cfg.kv_lora_rank
+    scores = h * (2 * r * FLOAT + (2 * r + context) * DOUBLE) if cfg.mla_layers else 0
+    routing = INT * (t * (k + 2 + ne) + ne) if cfg.moe_layers else 0
     return {
-        "residual": (cfg.n_block_snapshots + 4) * t * e * FLOAT,
-        "sublayer": max(kda, mla, dense, moe) * FLOAT,
-        "attention rows": MAX_COMPUTE_THREADS * (2 * cfg.kv_lora_rank + context) * FLOAT,
+        "activations": (cfg.n_block_snapshots + 4) * t * e * FLOAT,
+        "sublayer scratch": max(kda, mla, dense, moe) * FLOAT,
+        "widened inputs (double)": t * widest * DOUBLE,
+        "routing lists": routing,
+        "MLA scores, per head": scores,
         "logits": cfg.vocab * FLOAT,
     }
+
+
+def work_buffer_bytes(parts: Mapping[str, int]) -> int:
+    """The peak of one pass: what lives all pass, plus the larger of the matmul inputs
+    widened beside the routing lists and the MLA head rows (freed before the next matmul)."""
+    transient = max(parts["widened inputs (double)"] + parts["routing lists"],
+                    parts["MLA scores, per head"])
+    return parts["activations"] + parts["sublayer scratch"] + transient + parts["logits"]
+
+
+def base_chunk(context: int) -> int:
+    """The chunk every plan can give: the engine's default, or the context when smaller."""
+    return min(PREFILL_CHUNK, context)
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens route to in one MoE layer under uniform
+    routing (each token picks top_k distinct experts uniformly at random)."""
+    if n_experts == 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
 
 
 def _align(n: int) -> int:
@@ -437,13 +472,15 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-           embed_stream: bool, process_bytes: int = 0) -> _Floor:
+           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None) -> _Floor:
     """Everything resident whatever the trunk layout (given the embedding choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
     (km_embed in native/k3_model.c). `process_bytes` is what the process needs beside the
-    engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process."""
+    engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process.
+    The work buffers are for a prefill pass of `chunk` tokens (default: base_chunk)."""
     state = kda_state_bytes(cfg)
+    work = work_buffer_parts(cfg, context, base_chunk(context) if chunk is None else chunk)
     return _Floor({
         PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
@@ -454,7 +491,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
         # a snapshot is the engine's whole state export: ids, KDA state and MLA rows
         "turn snapshots": snapshots * snapshot_bytes(cfg, context),
         "MLA latent cache": context * mla_bytes_per_position(cfg),
-        "work buffers": sum(work_buffer_parts(cfg, context).values()),
+        "work buffers": work_buffer_bytes(work),
         "I/O staging": IO_READERS * STAGING_PER_READER,
     })
 
@@ -505,7 +542,7 @@ class Plan:
     snapshot_bytes: int
     mla_cache_bytes: int
     mla_bytes_per_position: int
-    work_bytes: int
+    work_bytes: int  # the peak of one prefill pass of prefill_chunk tokens
     staging_bytes: int
     # trunk
     trunk_bytes: int  # the whole trunk as stored, resident or not
@@ -535,6 +572,7 @@ class Plan:
     process_bytes: int = 0  # the process beside the engine: interpreter, libraries, UI
     open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
     machine_limit: int | None = None  # what the machine could hold, when it was checked
+    work_parts: dict[str, int] = field(default_factory=dict)  # work_bytes by kind
     # per layer, layer 0 first
     layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk as stored
     layer_matrix_bytes: tuple[int, ...] = field(default=(), repr=False)  # cost when pinned
@@ -574,6 +612,20 @@ class Plan:
         MoE layer's top-k and, with embed_stream, the token's embedding row."""
         return (self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
                 + (self.embed_row_bytes if self.embed_stream else 0))
+
+    def prefill_passes(self, prompt_tokens: int, chunk: int | None = None) -> list[int]:
+        """Tokens of each engine pass a prompt is fed in (the engine's km_forward split)."""
+        c = self.prefill_chunk if chunk is None else chunk
+        return [min(c, prompt_tokens - done) for done in range(0, prompt_tokens, c)]
+
+    def prefill_expert_bytes(self, prompt_tokens: int, chunk: int | None = None) -> float:
+        """Expected routed-expert bytes a prompt reads: per pass, every MoE layer's expected
+        distinct experts under uniform routing, each read once in that pass (none reused
+        from the cache across passes: with a small cache, as on K3, that is what happens)."""
+        per_layer = self.experts_total // self.moe_layers if self.moe_layers else 0
+        distinct = sum(expected_distinct_experts(per_layer, self.top_k, n)
+                       for n in self.prefill_passes(prompt_tokens, chunk))
+        return distinct * self.moe_layers * self.expert_bytes
 
     def engine_options(self, reader_threads: int = IO_READERS) -> dict[str, Any]:
         """The engine's open options for this plan, as `StreamOptions` field values."""
@@ -647,11 +699,15 @@ def _render_table(p: Plan) -> str:
              "embeddings": embed_note,
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
-             "work buffers": f"estimate, prefill chunk of {p.prefill_chunk} tokens",
+             "work buffers": f"peak of one prefill pass, chunk of {p.prefill_chunk:,} tokens "
+                             f"(the largest this budget allows, at most the context)",
              "turn snapshots": f"{p.snapshots} x (KDA state + MLA rows + ids at the context)",
              "KDA state": "fixed, whatever the context",
              "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB"}
-    lines += [_row(k, v, notes.get(k, "")) for k, v in p.floor_parts.items()]
+    for k, v in p.floor_parts.items():
+        lines.append(_row(k, v, notes.get(k, "")))
+        if k == "work buffers":
+            lines += _work_rows(p)
     lines.append(_row("floor total", p.floor_bytes))
     n_layers = len(p.pinned_layers) + len(p.streamed_layers)
     lines.append(f"trunk ({p.trunk_bytes:,} B in {n_layers} layers; matrices "
@@ -693,6 +749,22 @@ def _render_table(p: Plan) -> str:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
     return "\n".join(lines)
+
+
+_WORK_NOTES = {
+    "activations": "residual, x, xn, sublayer output and the AttnRes block snapshots",
+    "sublayer scratch": "the largest of KDA, MLA, MoE and dense scratch, reused",
+    "widened inputs (double)": "one matmul input at a time, for the double-lane kernels",
+    "routing lists": "MoE top-k, token lists and lookahead picks (int32)",
+    "MLA scores, per head": "query and context rows + double scores to the "
+                                        "context, per head; not beside the widened inputs",
+    "logits": "the last position's logits",
+}
+
+
+def _work_rows(p: Plan) -> list[str]:
+    """The work buffers by kind, indented under their row."""
+    return [_row(f"  {k}", v, _WORK_NOTES.get(k, "")) for k, v in p.work_parts.items()]
 
 
 @dataclass(frozen=True)
@@ -794,6 +866,36 @@ def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
             + trunk.pinned_bytes + trunk.router_bytes)
     table = 0 if trunk.embed_stream else ts.embed
     return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
+
+
+def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
+                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int) -> int:
+    """The largest prefill chunk (at most the context) beside `trunk` and the expert cache.
+
+    A bigger chunk reads each distinct expert and every streamed trunk unit once for more
+    tokens, so it takes the room above the minimum expert cache; except when the budget
+    could cache every routed expert beside the base chunk: then each expert is read at most
+    once anyway, so the cache keeps them all and the chunk gets only what is left."""
+    slot = slot_bytes(ts.expert_bytes)
+    base = base_chunk(context)
+
+    def need(chunk: int, slots: int) -> int:
+        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+        return floor.total + trunk.cost(ring_slots) + slots * slot
+
+    slots = _min_expert_slots(cfg, ts)
+    if ts.n_experts_total and need(base, ts.n_experts_total) <= budget:
+        slots = ts.n_experts_total
+    if need(base, slots) > budget:  # the caller checked the base chunk fits: defensive
+        return base
+    lo, hi = base, context
+    while lo < hi:  # the work buffers grow with the chunk, so bisect
+        mid = (lo + hi + 1) // 2
+        if need(mid, slots) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _min_expert_slots(cfg: ModelConfig, ts: TensorSizes) -> int:
@@ -974,13 +1076,16 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     if trunk is None:
         raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
                        process_bytes)
-    floor = floors[trunk.embed_stream]
+    chunk = _largest_chunk(cfg, ts, budget_bytes, context, snapshots, trunk, ring_slots,
+                           process_bytes)
+    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
     unit = trunk.ring_unit
     unit_bytes, unit_tensors = lay.unit_raw[unit[0]][unit[1]] if unit else (0, 0)
     return Plan(
-        budget=budget_bytes, context=context, prefill_chunk=PREFILL_CHUNK,
+        budget=budget_bytes, context=context, prefill_chunk=chunk,
+        work_parts=work_buffer_parts(cfg, context, chunk),
         embed_stream=trunk.embed_stream, embed_bytes=floor.parts["embeddings"],
         embed_table_bytes=ts.embed, embed_row_bytes=embed_row_bytes(cfg, ts),
         lm_head_bytes=floor.parts["lm_head"],
@@ -1055,6 +1160,50 @@ def _lookahead_arg(text: str) -> int:
     return value
 
 
+def _prompt_arg(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a prompt has at least 1 token, got {value}")
+    return value
+
+
+def prompt_report(plan: Plan, prompt_tokens: int) -> dict[str, Any]:
+    """How a prompt of `prompt_tokens` is fed under `plan`, beside the engine's default chunk
+    and one pass for the whole prompt: passes and expected routed-expert bytes."""
+    per_layer = plan.experts_total // plan.moe_layers if plan.moe_layers else 0
+    every_once = plan.moe_layers * per_layer * plan.expert_bytes
+
+    def case(chunk: int) -> dict[str, Any]:
+        passes = plan.prefill_passes(prompt_tokens, chunk)
+        return {"chunk": chunk, "passes": len(passes),
+                "expected_expert_bytes": round(plan.prefill_expert_bytes(prompt_tokens, chunk))}
+
+    return {"prompt_tokens": prompt_tokens, "plan": case(plan.prefill_chunk),
+            "default_chunk": case(PREFILL_CHUNK), "one_pass": case(prompt_tokens),
+            "every_expert_once_bytes": every_once,
+            "routing": "expected distinct experts per pass and MoE layer under uniform "
+                       "routing, n x (1 - (1 - k/n)^tokens), each read once per pass; "
+                       "the engine's statistics (expert_bytes_read) report what was read"}
+
+
+def _prompt_text(rep: Mapping[str, Any]) -> str:
+    def line(label: str, c: Mapping[str, Any]) -> str:
+        nbytes = c["expected_expert_bytes"]
+        return (f"  {label:<22} chunk {c['chunk']:>7,} tokens, {c['passes']:>5,} pass(es): "
+                f"{nbytes:>22,} B {sz.format_bytes(nbytes):>12}")
+
+    return "\n".join([
+        f"prompt of {rep['prompt_tokens']:,} tokens: expected routed-expert bytes read "
+        f"(uniform routing: each pass reads the distinct experts its tokens route to, once)",
+        line("this plan", rep["plan"]), line("engine default", rep["default_chunk"]),
+        line("whole prompt at once", rep["one_pass"]),
+        f"  (every routed expert once: {rep['every_expert_once_bytes']:,} B; the engine's "
+        f"statistics report what was read: expert_bytes_read)"])
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="k3chat plan",
@@ -1071,6 +1220,9 @@ def _parser() -> argparse.ArgumentParser:
                          "prefetched for the next layer (default, as `k3chat run` does: "
                          "the model's top-k when the trunk is resident, else 0 = off); when "
                          "on, the routers of streamed layers stay resident")
+    ap.add_argument("--prompt-tokens", type=_prompt_arg, default=None, metavar="N",
+                    help="also report how a prompt of N tokens is fed: the prefill chunk, the "
+                         "passes and the expected expert bytes read (uniform routing)")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -1083,7 +1235,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--json OUT]`:
+    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--prompt-tokens N]
+    [--json OUT]`:
     0 ok, 2 refused."""
     try:
         args = _parser().parse_args(list(argv))
@@ -1104,6 +1257,10 @@ def main_plan(argv: Sequence[str]) -> int:
         else:
             plan = make_plan(cfg, ts, budget, args.context, check_machine=machine,
                              lookahead=args.lookahead, process_bytes=process)
+        if args.prompt_tokens is not None and args.prompt_tokens > args.context:
+            raise PlanError(f"a prompt of {args.prompt_tokens:,} tokens does not fit a context of "
+                            f"{args.context:,} tokens. What to do: give --context "
+                            f"{args.prompt_tokens:,} or more", budget=budget, context=args.context)
     except (sz.MemorySizeError, CheckpointError, PlanError, OSError) as exc:
         print(f"k3chat plan: {exc}", file=sys.stderr)
         if isinstance(exc, PlanError) and exc.machine_limit is not None:
@@ -1117,9 +1274,12 @@ def main_plan(argv: Sequence[str]) -> int:
         print(f"--memory auto: {int(sz.AUTO_FRACTION * 100)}% of what this machine can hold "
               f"without swapping, in 256 MiB steps")
     print(plan.table())
+    payload: dict[str, Any] = {"ok": True, "model_dir": str(args.model_dir), "plan": plan.to_dict()}
+    if args.prompt_tokens is not None:
+        payload["prompt"] = prompt_report(plan, args.prompt_tokens)
+        print(_prompt_text(payload["prompt"]))
     if args.json_out:
-        _write_json(args.json_out, {"ok": True, "model_dir": str(args.model_dir),
-                                    "plan": plan.to_dict()})
+        _write_json(args.json_out, payload)
     return EXIT_OK
 
 
