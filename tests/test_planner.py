@@ -675,6 +675,89 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "embed_stream": True, "prefill_chunk": plan["prefill_chunk"]}
 
 
+def test_k3_prompt_expert_bytes_from_uniform_routing(k3) -> None:
+    """The issue's figures: a 64-token chunk touches about 610 of 896 experts per layer under
+    uniform top-16 routing (about 985 GB per chunk over 92 MoE layers), a 2,000-token prompt
+    in 64-token passes reads about 31 TB, and one pass reads each expert once, 1.45 TB."""
+    cfg, ts = k3
+    plan = pl.make_plan(cfg, ts, sz.parse_memory("small"), 8192, check_machine=False)
+    touched = 896 * (1 - (1 - 16 / 896) ** 64)
+    assert 605 < touched < 615  # 613.2
+    assert plan.prefill_passes(2000, 64) == [64] * 31 + [16]
+    per_pass = 92 * K3_EXPERT * touched
+    assert abs(plan.prefill_expert_bytes(64, 64) - per_pass) < 1
+    assert 980e9 < per_pass < 995e9  # 989.7 GB
+    last = 92 * K3_EXPERT * 896 * (1 - (1 - 16 / 896) ** 16)
+    assert abs(plan.prefill_expert_bytes(2000, 64) - (31 * per_pass + last)) < 64
+    assert 31.0e12 < plan.prefill_expert_bytes(2000, 64) < 31.1e12
+    once = 92 * 896 * K3_EXPERT
+    assert 1.44e12 < plan.prefill_expert_bytes(2000, 2000) <= once < 1.45e12
+    # the plan's own chunk (1,097 tokens at 8G): two passes
+    assert plan.prefill_passes(2000) == [1097, 903]
+    report = pl.prompt_report(plan, 2000)
+    assert report["plan"] == {"chunk": 1097, "passes": 2,
+                              "expected_expert_bytes": round(plan.prefill_expert_bytes(2000))}
+    assert report["default_chunk"]["passes"] == 32 and report["every_expert_once_bytes"] == once
+    assert "uniform routing" in report["routing"]
+
+
+def test_tiny_plan_caches_every_expert_before_growing_the_chunk(tiny: Path) -> None:
+    """When every routed expert fits in the cache beside the base chunk, each is read at most
+    once anyway: the cache keeps them all and the chunk takes only what is left; below that
+    the chunk grows first, down to the minimum cache."""
+    cfg = load_config(tiny)
+    ts = pl.tensor_sizes_from_dir(tiny, cfg)
+    context = 2048
+    ample = pl.make_plan(cfg, ts, 1 << 40, context, check_machine=False)
+    assert ample.expert_slots == ample.experts_total and ample.prefill_chunk == context
+    everything = ample.floor_bytes + ample.trunk_plan_bytes + ample.expert_cache_bytes
+    work = {c: pl.work_buffer_bytes(pl.work_buffer_parts(cfg, context, c)) for c in (64, 65)}
+    base = everything - ample.work_bytes + work[64]  # all experts cached, a 64-token pass
+    plan = pl.make_plan(cfg, ts, base, context, check_machine=False)
+    check_invariants(plan)
+    assert plan.expert_slots == plan.experts_total and plan.prefill_chunk == 64
+    grown = pl.make_plan(cfg, ts, base + work[65] - work[64], context, check_machine=False)
+    assert grown.expert_slots == grown.experts_total and grown.prefill_chunk == 65
+    short = pl.make_plan(cfg, ts, base - 1, context, check_machine=False)
+    check_invariants(short)
+    assert short.expert_slots == short.min_expert_slots and short.prefill_chunk > 64
+    # capped at the context
+    assert pl.make_plan(cfg, ts, 1 << 40, 10, check_machine=False).prefill_chunk == 10
+
+
+def test_k3chat_plan_prompt_tokens(tiny: Path, tmp_path: Path, capsys, fake_machine,
+                                   fixed_process) -> None:
+    out = tmp_path / "plan.json"
+    argv = [str(tiny), "--memory", "136M", "--context", "2048", "--prompt-tokens", "1,000",
+            "--json", str(out)]
+    assert pl.main_plan(argv) == 0
+    text = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    plan, prompt = payload["plan"], payload["prompt"]
+    chunk = plan["prefill_chunk"]
+    passes = -(-1000 // chunk)
+    assert prompt["prompt_tokens"] == 1000 and prompt["plan"]["chunk"] == chunk
+    assert prompt["plan"]["passes"] == passes and prompt["default_chunk"]["passes"] == 16
+    cfg = load_config(tiny)
+    n, k = cfg.n_experts, cfg.top_k
+    sizes = [min(chunk, 1000 - d) for d in range(0, 1000, chunk)]
+    expected = sum(n * (1 - (1 - k / n) ** t) for t in sizes) * len(cfg.moe_layers) * plan[
+        "expert_bytes"]
+    assert prompt["plan"]["expected_expert_bytes"] == round(expected)
+    assert plan["work_parts"]["MLA scores, per head"] > 0
+    assert plan["work_bytes"] == pl.work_buffer_bytes(plan["work_parts"])
+    for part in ("prompt of 1,000 tokens", f"chunk {chunk:>7,} tokens", "uniform routing",
+                 "expert_bytes_read", f"{round(expected):,} B", "MLA scores, per head"):
+        assert part in text, part
+    # a prompt longer than the context is refused with what to do
+    assert pl.main_plan([str(tiny), "--memory", "136M", "--context", "100",
+                         "--prompt-tokens", "101"]) == 2
+    err = capsys.readouterr().err
+    assert "101 tokens does not fit a context of 100" in err and "--context 101" in err
+    assert pl.main_plan([str(tiny), "--prompt-tokens", "0"]) == 2
+    assert "at least 1 token" in capsys.readouterr().err
+
+
 def test_plan_json_is_written_0600_like_run_json(tiny: Path, tmp_path: Path, capsys,
                                                 fake_machine, fixed_process) -> None:
     import os
