@@ -18,7 +18,11 @@ same budget):
    (KDA state is fixed; the MLA latent cache grows by (kv_lora + rope) x 4 B per position
    per MLA layer), one turn snapshot (the engine's whole state export at the context, as
    k3_session_snapshot copies it: a 40 B header, the token ids, the KDA state and every MLA
-   row), work buffers (an estimate for a prefill chunk of 64 tokens) and I/O staging buffers.
+   row), the work buffers of one prefill pass (what km_chunk and its sublayers allocate for
+   `prefill_chunk` tokens: activations and block snapshots, the largest sublayer's scratch,
+   matmul inputs widened to doubles, routing lists, the MLA attention's per-head rows with
+   double scores to the context; see work_buffer_parts) and I/O staging buffers. The trunk
+   layout below is chosen with the work of a 64-token pass (PREFILL_CHUNK, the base).
 2. **Trunk** (its matrices: every 2-D tensor with both dims > 1, which are exactly the
    tensors the engine binds as matrices): all resident if it fits
    (with the minimum expert cache beside it). Otherwise the largest layers are pinned and
@@ -27,7 +31,13 @@ same budget):
    per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
    (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
    unit. As many of the largest layers are pinned as the budget allows.
-3. **Expert cache**: the rest, in whole slots (expert + 2 x 4096 B, page-aligned). A plan
+3. **Prefill chunk**: the largest pass (at most the context) that fits beside the trunk and
+   the minimum expert cache: a bigger chunk reads each distinct expert, and every streamed
+   trunk unit, once for more tokens (on K3 a 64-token pass touches ~613 of a layer's 896
+   experts, so a 2,000-token prompt reads ~31 TB at 64 and 1.45 TB in one pass). When every
+   routed expert fits in the cache beside a 64-token pass, the cache keeps them all (each is
+   then read at most once anyway) and the chunk takes what is left.
+4. **Expert cache**: the rest, in whole slots (expert + 2 x 4096 B, page-aligned). A plan
    needs at least one layer's whole top-k plus one spare slot (the engine's expert store
    refuses fewer), else it is refused.
 
@@ -42,22 +52,24 @@ GiB throughout; "streamed" is trunk read per token, "cold read" adds every MoE l
 top-16 experts with an empty cache; ring slots: layer 0's FFN unit, 1,453,330,432 B, while
 layer 0 streams, else a KDA layer's attention unit, 887,164,928 B):
 
-| preset | budget | floor | pinned | streamed | ring | expert cache | lookahead | total | cold read/token |
-|---|---|---|---|---|---|---|---|---|---|
-| small  | 8G   | 4.01 (rows streamed) | none | 93 layers, 101.29 | 2 x 1.35 (layer 0 FFN) | 78 slots, 1.28 | 0 | 7.99 | 125.35 |
-| medium | 16G  | 4.01 (rows streamed) | 7 layers (0-2, 4-6, 8), 9.26 | 86 layers, 92.03 | 2 x 0.83 (KDA attention) | 65 slots, 1.06 | 0 | 15.99 | 116.09 |
-| large  | 64G  | 4.01 (rows streamed) | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 (KDA attention) | 42 slots, 0.69 | 0 | 63.99 | 67.71 |
-| huge   | 256G | 6.20 (table held) | all 93 layers, 101.29 | none | none | 9,083 slots, 148.51 | 16 | 255.99 | 24.06 |
+| preset | budget | floor (work) | chunk | pinned | streamed | ring | expert cache | lookahead | total | cold read/token |
+|---|---|---|---|---|---|---|---|---|---|---|
+| small  | 8G   | 5.01 (1.05), rows streamed | 1,097 | none | 93 layers, 101.29 | 2 x 1.35 (layer 0 FFN) | 17 slots, 0.28 | 0 | 8.00 | 125.35 |
+| medium | 16G  | 4.81 (0.85), rows streamed | 883 | 7 layers (0-2, 4-6, 8), 9.26 | 86 layers, 92.03 | 2 x 0.83 (KDA attention) | 17 slots, 0.28 | 0 | 16.00 | 116.09 |
+| large  | 64G  | 4.43 (0.47), rows streamed | 487 | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 (KDA attention) | 17 slots, 0.28 | 0 | 64.00 | 67.71 |
+| huge   | 256G | 14.00 (7.85), table held | 8,192 | all 93 layers, 101.29 | none | none | 8,606 slots, 140.71 | 16 | 256.00 | 24.06 |
 
-Floor at 8,192 tokens: lm_head 2.19 + KDA state 0.43 + snapshot 0.85 (KDA state 0.43 + MLA
-rows 0.42 + ids 32 KiB + header) + MLA cache 0.42 + layer vectors 0.06 + work 0.05 + staging
-0.01 = 4.01, plus the embedding table 2.19 when the trunk is resident. The smallest plan
-streams every layer, through ring slots for layer 0's dense FFN unit (3 x 33,792 x 7,168 x
-2 B = 1.35 GiB each): 7.00 GiB at 8K (floor 4.01 + ring 2 x 1.35 + 17 expert slots 0.28);
-6.15 at 1 token, 9.53 at 32K, 19.68 at 128K. Pinning layer 0 (2.18) shrinks the slots to a
-KDA attention unit (0.83) and first fits at 8.12 GiB (8K), so 8G streams every layer. 8G
-holds at most 17,902 tokens and 16G 95,392. Lookahead adds 92 routers (1.10 GiB) to the
-smallest plan (8.10 at 8K). A resident trunk needs 105.73 GiB (rows streamed) and the
+Floor at 8,192 tokens with a 64-token pass: lm_head 2.19 + KDA state 0.43 + snapshot 0.85
+(KDA state 0.43 + MLA rows 0.42 + ids 32 KiB + header) + MLA cache 0.42 + layer vectors 0.06
++ work 0.06 (activations 21 MiB, MoE scratch 25, widened inputs 16.5, MLA heads 7.1) +
+staging 0.01 = 4.02, plus the embedding table 2.19 when the trunk is resident; a pass costs
+about 1 MiB per token more. The smallest plan streams every layer, through ring slots for
+layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
+4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
+Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
+8.13 GiB (8K), so 8G streams every layer. 8G holds at most 17,810 tokens and 16G 94,968.
+Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
+needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
 binds).
 
