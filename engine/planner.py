@@ -103,6 +103,7 @@ from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NA
 __all__ = [
     "Plan", "PlanError", "TensorSizes", "make_plan", "minimum_budget", "max_context",
     "tensor_sizes_from_dir", "sizes_from_table", "sizes_from_names", "work_buffer_parts",
+    "work_buffer_bytes", "expected_distinct_experts", "prompt_report", "base_chunk",
     "slot_bytes", "unit_slot_bytes", "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK",
     "RING_SLOTS", "RING_READ_ALIGN", "IO_ALIGN",
 ]
@@ -121,7 +122,6 @@ IO_READERS = 8  # reader threads (queue depth 8, what `k3chat doctor` measures)
 # reads of a checkpoint whose runs are not contiguous, unaligned small trunk tensors). The
 # expert store reads whole runs straight into its slots, so this stays small.
 STAGING_PER_READER = 1 * sz.MiB
-MAX_COMPUTE_THREADS = 64  # the engine's thread cap; MLA score rows are per thread
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
