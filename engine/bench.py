@@ -762,13 +762,15 @@ def run_bench(
     probe_bytes: int = 256 * (1 << 20),
     probe_seconds: float = 1.0,
     check_memory: bool = True,
+    prefill_chunk: int = 64,
     log: Log | None = None,
 ) -> dict[str, Any]:
     """Decode `tokens` greedy tokens after a `prompt_tokens` prompt under each configuration.
 
     Configurations: trunk resident with lookahead `lookahead` and 0; if `streamed`, the
     trunk streamed through a ring of 2 with the same two lookaheads. The expert cache has
-    `cache_slots` slots (default: the shape's, fewer than one layer's experts). Returns the
+    `cache_slots` slots (default: the shape's, fewer than one layer's experts); the prompt is
+    fed in passes of `prefill_chunk` tokens (the engine's default 64, or a plan's). Returns the
     JSON-ready result (see the module docstring); raises BenchError if the directory is
     not a complete benchmark checkpoint or the machine lacks the memory.
     """
@@ -777,8 +779,8 @@ def run_bench(
 
     d = Path(directory) if directory is not None else default_bench_dir()
     say = log or (lambda _msg: None)
-    if tokens < 1 or prompt_tokens < 1:
-        raise ValueError("tokens and prompt_tokens must be >= 1")
+    if tokens < 1 or prompt_tokens < 1 or prefill_chunk < 1:
+        raise ValueError("tokens, prompt_tokens and prefill_chunk must be >= 1")
     if not checkpoint_ready(d):
         raise BenchError(f"{d} holds no complete benchmark checkpoint (no valid {MARKER_NAME}); build it first")
     marker = _read_json(d / MARKER_NAME)
@@ -830,7 +832,7 @@ def run_bench(
         drops.append(dropped)
         opts = StreamOptions(expert_cache_bytes=cache_bytes, reader_threads=reader_threads,
                              direct_io=direct_io, lookahead=la, prefetch=True, trunk_stream=stream,
-                             ring_slots=2)
+                             ring_slots=2, prefill_chunk=prefill_chunk)
         t0 = time.perf_counter()
         model = Model(d, threads=threads, streaming=opts)
         open_s = time.perf_counter() - t0
@@ -945,7 +947,8 @@ def run_bench(
         },
         "machine": {"cpus": os.cpu_count(), "threads": threads},
         "settings": {
-            "tokens": tokens, "prompt_tokens": prompt_tokens, "lookahead": lookahead,
+            "tokens": tokens, "prompt_tokens": prompt_tokens, "prefill_chunk": prefill_chunk,
+            "lookahead": lookahead,
             "cache_slots": slots, "slot_bytes": shape.slot_bytes, "expert_cache_bytes": cache_bytes,
             "reader_threads": reader_threads, "direct_io_requested": direct_io, "sampling": "greedy",
         },
@@ -990,7 +993,8 @@ def format_report(res: dict[str, Any]) -> str:
         f"top-{ck['top_k']}; cold experts per token {ck['cold_expert_gb_per_token']:.3f} GB",
         f"  expert cache {st['cache_slots']} slots ({st['expert_cache_bytes'] / 1e9:.2f} GB), "
         f"{st['reader_threads']} reader threads, {res['machine']['threads']} compute threads; "
-        f"{st['prompt_tokens']}-token prompt, {st['tokens']} decoded tokens (greedy)",
+        f"{st['prompt_tokens']}-token prompt in chunks of {st.get('prefill_chunk', 64)}, "
+        f"{st['tokens']} decoded tokens (greedy)",
     ]
     if "qd8_gb_per_s" in dev:
         lines.append(f"device: {dev['mode']}, {dev['read_bytes']:,} B random reads: "
@@ -1014,6 +1018,10 @@ def format_report(res: dict[str, Any]) -> str:
             f"{_f(cmp_['read_vs_device_qd8'], '6.2f')} {_f(dec['cache_hit_rate'], '5.2f')} "
             f"{dec['lookahead_used']:>7d} {dec['lookahead_wasted']:>7d} {_f(dec['io_wait_share'], '7.1%')}")
     lines.append("")
+    for r in res["configs"]:  # prefill: what a prompt costs in expert reads and time
+        pf = r["prefill"]
+        lines.append(f"prefill {r['name']}: {_f(pf['seconds'], '.2f')} s, expert bytes read "
+                     f"{pf['expert_bytes_read']:,}")
     for k, v in res["comparison"].items():
         if "speedup" in k:
             lines.append(f"{k}: {_f(v, '.2f')}x")
@@ -1048,6 +1056,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", help=f"benchmark checkpoint directory (default: {default_bench_dir()})")
     ap.add_argument("--tokens", type=int, default=8, help="decoded tokens per configuration (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=8, help="prompt length (default 8)")
+    ap.add_argument("--prefill-chunk", type=int, default=64,
+                    help="prompt tokens per engine pass (default 64; `k3chat plan --prompt-tokens N` "
+                         "gives the chunk a budget allows)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: usable CPUs)")
     ap.add_argument("--lookahead", type=int, default=16, help="router lookahead experts (default 16)")
     ap.add_argument("--cache-slots", type=int, default=None,
@@ -1073,6 +1084,7 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
         return EXIT_USAGE if exc.code else EXIT_OK
     bad = [f"{flag} must be >= {lo}" for flag, v, lo in (
         ("--tokens", args.tokens, 1), ("--prompt-tokens", args.prompt_tokens, 1),
+        ("--prefill-chunk", args.prefill_chunk, 1),
         ("--threads", args.threads, 1), ("--lookahead", args.lookahead, 0),
         ("--cache-slots", args.cache_slots, shape.num_experts_per_token + 1)) if v is not None and v < lo]
     if args.probe_mb * (1 << 20) < 2 * 17_547_264:
@@ -1098,6 +1110,7 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
                                progress=_StderrProgress("writing benchmark checkpoint"))
         res = run_bench(d, tokens=args.tokens, prompt_tokens=args.prompt_tokens, threads=args.threads,
                         lookahead=args.lookahead, cache_slots=args.cache_slots,
+                        prefill_chunk=args.prefill_chunk,
                         streamed=not args.no_stream, probe_bytes=args.probe_mb << 20,
                         probe_seconds=args.probe_seconds, log=log)
         print(format_report(res))

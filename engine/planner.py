@@ -18,7 +18,11 @@ same budget):
    (KDA state is fixed; the MLA latent cache grows by (kv_lora + rope) x 4 B per position
    per MLA layer), one turn snapshot (the engine's whole state export at the context, as
    k3_session_snapshot copies it: a 40 B header, the token ids, the KDA state and every MLA
-   row), work buffers (an estimate for a prefill chunk of 64 tokens) and I/O staging buffers.
+   row), the work buffers of one prefill pass (what km_chunk and its sublayers allocate for
+   `prefill_chunk` tokens: activations and block snapshots, the largest sublayer's scratch,
+   matmul inputs widened to doubles, routing lists, the MLA attention's per-head rows with
+   double scores to the context; see work_buffer_parts) and I/O staging buffers. The trunk
+   layout below is chosen with the work of a 64-token pass (PREFILL_CHUNK, the base).
 2. **Trunk** (its matrices: every 2-D tensor with both dims > 1, which are exactly the
    tensors the engine binds as matrices): all resident if it fits
    (with the minimum expert cache beside it). Otherwise the largest layers are pinned and
@@ -27,7 +31,13 @@ same budget):
    per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
    (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
    unit. As many of the largest layers are pinned as the budget allows.
-3. **Expert cache**: the rest, in whole slots (expert + 2 x 4096 B, page-aligned). A plan
+3. **Prefill chunk**: the largest pass (at most the context) that fits beside the trunk and
+   the minimum expert cache: a bigger chunk reads each distinct expert, and every streamed
+   trunk unit, once for more tokens (on K3 a 64-token pass touches ~613 of a layer's 896
+   experts, so a 2,000-token prompt reads ~31 TB at 64 and 1.45 TB in one pass). When every
+   routed expert fits in the cache beside a 64-token pass, the cache keeps them all (each is
+   then read at most once anyway) and the chunk takes what is left.
+4. **Expert cache**: the rest, in whole slots (expert + 2 x 4096 B, page-aligned). A plan
    needs at least one layer's whole top-k plus one spare slot (the engine's expert store
    refuses fewer), else it is refused.
 
@@ -42,22 +52,24 @@ GiB throughout; "streamed" is trunk read per token, "cold read" adds every MoE l
 top-16 experts with an empty cache; ring slots: layer 0's FFN unit, 1,453,330,432 B, while
 layer 0 streams, else a KDA layer's attention unit, 887,164,928 B):
 
-| preset | budget | floor | pinned | streamed | ring | expert cache | lookahead | total | cold read/token |
-|---|---|---|---|---|---|---|---|---|---|
-| small  | 8G   | 4.01 (rows streamed) | none | 93 layers, 101.29 | 2 x 1.35 (layer 0 FFN) | 78 slots, 1.28 | 0 | 7.99 | 125.35 |
-| medium | 16G  | 4.01 (rows streamed) | 7 layers (0-2, 4-6, 8), 9.26 | 86 layers, 92.03 | 2 x 0.83 (KDA attention) | 65 slots, 1.06 | 0 | 15.99 | 116.09 |
-| large  | 64G  | 4.01 (rows streamed) | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 (KDA attention) | 42 slots, 0.69 | 0 | 63.99 | 67.71 |
-| huge   | 256G | 6.20 (table held) | all 93 layers, 101.29 | none | none | 9,083 slots, 148.51 | 16 | 255.99 | 24.06 |
+| preset | budget | floor (work) | chunk | pinned | streamed | ring | expert cache | lookahead | total | cold read/token |
+|---|---|---|---|---|---|---|---|---|---|---|
+| small  | 8G   | 5.01 (1.05), rows streamed | 1,097 | none | 93 layers, 101.29 | 2 x 1.35 (layer 0 FFN) | 17 slots, 0.28 | 0 | 8.00 | 125.35 |
+| medium | 16G  | 4.81 (0.85), rows streamed | 883 | 7 layers (0-2, 4-6, 8), 9.26 | 86 layers, 92.03 | 2 x 0.83 (KDA attention) | 17 slots, 0.28 | 0 | 16.00 | 116.09 |
+| large  | 64G  | 4.43 (0.47), rows streamed | 487 | 48 layers (0 and KDA layers to 62), 57.64 | 45 layers, 43.65 | 2 x 0.83 (KDA attention) | 17 slots, 0.28 | 0 | 64.00 | 67.71 |
+| huge   | 256G | 14.00 (7.85), table held | 8,192 | all 93 layers, 101.29 | none | none | 8,606 slots, 140.71 | 16 | 256.00 | 24.06 |
 
-Floor at 8,192 tokens: lm_head 2.19 + KDA state 0.43 + snapshot 0.85 (KDA state 0.43 + MLA
-rows 0.42 + ids 32 KiB + header) + MLA cache 0.42 + layer vectors 0.06 + work 0.05 + staging
-0.01 = 4.01, plus the embedding table 2.19 when the trunk is resident. The smallest plan
-streams every layer, through ring slots for layer 0's dense FFN unit (3 x 33,792 x 7,168 x
-2 B = 1.35 GiB each): 7.00 GiB at 8K (floor 4.01 + ring 2 x 1.35 + 17 expert slots 0.28);
-6.15 at 1 token, 9.53 at 32K, 19.68 at 128K. Pinning layer 0 (2.18) shrinks the slots to a
-KDA attention unit (0.83) and first fits at 8.12 GiB (8K), so 8G streams every layer. 8G
-holds at most 17,902 tokens and 16G 95,392. Lookahead adds 92 routers (1.10 GiB) to the
-smallest plan (8.10 at 8K). A resident trunk needs 105.73 GiB (rows streamed) and the
+Floor at 8,192 tokens with a 64-token pass: lm_head 2.19 + KDA state 0.43 + snapshot 0.85
+(KDA state 0.43 + MLA rows 0.42 + ids 32 KiB + header) + MLA cache 0.42 + layer vectors 0.06
++ work 0.06 (activations 21 MiB, MoE scratch 25, widened inputs 16.5, MLA heads 7.1) +
+staging 0.01 = 4.02, plus the embedding table 2.19 when the trunk is resident; a pass costs
+about 1 MiB per token more. The smallest plan streams every layer, through ring slots for
+layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
+4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
+Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
+8.13 GiB (8K), so 8G streams every layer. 8G holds at most 17,810 tokens and 16G 94,968.
+Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
+needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
 binds).
 
@@ -91,13 +103,16 @@ from .safetensors_io import (DTYPE_SIZES, INDEX_NAME, LANGUAGE_PREFIX, SINGLE_NA
 __all__ = [
     "Plan", "PlanError", "TensorSizes", "make_plan", "minimum_budget", "max_context",
     "tensor_sizes_from_dir", "sizes_from_table", "sizes_from_names", "work_buffer_parts",
+    "work_buffer_bytes", "expected_distinct_experts", "prompt_report", "base_chunk",
     "slot_bytes", "unit_slot_bytes", "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK",
     "RING_SLOTS", "RING_READ_ALIGN", "IO_ALIGN",
 ]
 
 DEFAULT_CONTEXT = 8192
-PREFILL_CHUNK = 64  # tokens per prefill call the work buffers are sized for
+PREFILL_CHUNK = 64  # the smallest prefill chunk a plan gives (the engine's default); plans grow it
 FLOAT = 4  # fp32 activations, state and the widened small vectors
+DOUBLE = 8  # matmul inputs widened for the double-lane kernels, MLA head sums and scores
+INT = 4  # int32 routing lists
 IO_ALIGN = 4096  # direct-I/O alignment of offsets, lengths and buffers
 RING_SLOTS = 2  # a streamed trunk needs a reader one unit ahead, so never one slot
 RING_READ_ALIGN = 64  # kr_unit_layout starts every read that is not coalesced 64-byte aligned
@@ -107,7 +122,6 @@ IO_READERS = 8  # reader threads (queue depth 8, what `k3chat doctor` measures)
 # reads of a checkpoint whose runs are not contiguous, unaligned small trunk tensors). The
 # expert store reads whole runs straight into its slots, so this stays small.
 STAGING_PER_READER = 1 * sz.MiB
-MAX_COMPUTE_THREADS = 64  # the engine's thread cap; MLA score rows are per thread
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
@@ -369,27 +383,60 @@ def mla_bytes_per_position(cfg: ModelConfig) -> int:
 
 def work_buffer_parts(cfg: ModelConfig, context: int,
                       chunk: int = PREFILL_CHUNK) -> dict[str, int]:
-    """Estimated activation and scratch bytes for one prefill chunk of `chunk` tokens.
+    """The bytes the engine allocates for one prefill pass of `chunk` tokens, by kind.
 
-    Mirrors how the forward pass is laid out: the residual stream and the AttnRes block
-    snapshots live for the whole pass; each sublayer's scratch is reused, so only the
-    largest counts; MLA score rows are per compute thread and grow with the context.
+    Mirrors km_chunk (native/k3_model.c) and the sublayers it calls: the residual stream,
+    x, xn, the sublayer output and the AttnRes block snapshots live for the whole pass; one
+    scratch area sized for the largest sublayer (kda/mla/moe/dense_scratch_floats) is
+    reused; each matmul widens its input to doubles for the chunk (kk_widen); the MoE keeps
+    int routing lists (lookahead picks bounded by the expert count); the MLA attention keeps
+    per head (H = 96 on K3) its absorbed query and context in float and in double, plus
+    double scores over every position up to the context. The widened inputs and the MLA
+    head rows are never allocated at the same time (work_buffer_bytes takes the larger).
     """
     t, e = chunk, cfg.hidden
     p, d, hk = cfg.kda_width, cfg.kda_head_dim, cfg.kda_heads
-    h, lat = cfg.mla_heads, cfg.latent_dim
-    kda = t * (6 * p + d + hk) + 3 * (t + cfg.conv_kernel - 1) * p
-    mla = t * (2 * cfg.q_lora_rank + h * cfg.mla_qk_dim + h * cfg.kv_a_dim + cfg.kv_a_dim
-               + 2 * cfg.mla_value_width)
+    h, lat, ne, k = cfg.mla_heads, cfg.latent_dim, cfg.n_experts, cfg.top_k
+    kda = t * (6 * p + d + hk)
+    mla = t * (2 * cfg.q_lora_rank + h * cfg.mla_qk_dim + cfg.kv_a_dim + 2 * cfg.mla_value_width)
     dense = 2 * t * cfg.dense_width
-    moe = t * (2 * cfg.n_experts + 2 * cfg.top_k + cfg.top_k * lat + 4 * lat + e
-               + 2 * cfg.shared_width + 2 * cfg.expert_width)
+    moe = t * (2 * ne + 2 * k + k * lat + 5 * lat + e + 2 * cfg.shared_width
+               + 2 * cfg.expert_width)
+    # the widest input any matmul of the pass takes (kk_matmul, kk_mxfp4_matmul)
+    widest = max(e, p, d, cfg.q_lora_rank, cfg.mla_value_width, cfg.dense_width,
+                 cfg.shared_width, cfg.expert_width, lat)
+    r = cfg.kv_lora_rank
+    scores = h * (2 * r * FLOAT + (2 * r + context) * DOUBLE) if cfg.mla_layers else 0
+    routing = INT * (t * (k + 2 + ne) + ne) if cfg.moe_layers else 0
     return {
-        "residual": (cfg.n_block_snapshots + 4) * t * e * FLOAT,
-        "sublayer": max(kda, mla, dense, moe) * FLOAT,
-        "attention rows": MAX_COMPUTE_THREADS * (2 * cfg.kv_lora_rank + context) * FLOAT,
+        "activations": (cfg.n_block_snapshots + 4) * t * e * FLOAT,
+        "sublayer scratch": max(kda, mla, dense, moe) * FLOAT,
+        "widened inputs (double)": t * widest * DOUBLE,
+        "routing lists": routing,
+        "MLA scores, per head": scores,
         "logits": cfg.vocab * FLOAT,
     }
+
+
+def work_buffer_bytes(parts: Mapping[str, int]) -> int:
+    """The peak of one pass: what lives all pass, plus the larger of the matmul inputs
+    widened beside the routing lists and the MLA head rows (freed before the next matmul)."""
+    transient = max(parts["widened inputs (double)"] + parts["routing lists"],
+                    parts["MLA scores, per head"])
+    return parts["activations"] + parts["sublayer scratch"] + transient + parts["logits"]
+
+
+def base_chunk(context: int) -> int:
+    """The chunk every plan can give: the engine's default, or the context when smaller."""
+    return min(PREFILL_CHUNK, context)
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens route to in one MoE layer under uniform
+    routing (each token picks top_k distinct experts uniformly at random)."""
+    if n_experts == 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
 
 
 def _align(n: int) -> int:
@@ -437,13 +484,15 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-           embed_stream: bool, process_bytes: int = 0) -> _Floor:
+           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None) -> _Floor:
     """Everything resident whatever the trunk layout (given the embedding choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
     (km_embed in native/k3_model.c). `process_bytes` is what the process needs beside the
-    engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process."""
+    engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process.
+    The work buffers are for a prefill pass of `chunk` tokens (default: base_chunk)."""
     state = kda_state_bytes(cfg)
+    work = work_buffer_parts(cfg, context, base_chunk(context) if chunk is None else chunk)
     return _Floor({
         PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
@@ -454,7 +503,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
         # a snapshot is the engine's whole state export: ids, KDA state and MLA rows
         "turn snapshots": snapshots * snapshot_bytes(cfg, context),
         "MLA latent cache": context * mla_bytes_per_position(cfg),
-        "work buffers": sum(work_buffer_parts(cfg, context).values()),
+        "work buffers": work_buffer_bytes(work),
         "I/O staging": IO_READERS * STAGING_PER_READER,
     })
 
@@ -505,7 +554,7 @@ class Plan:
     snapshot_bytes: int
     mla_cache_bytes: int
     mla_bytes_per_position: int
-    work_bytes: int
+    work_bytes: int  # the peak of one prefill pass of prefill_chunk tokens
     staging_bytes: int
     # trunk
     trunk_bytes: int  # the whole trunk as stored, resident or not
@@ -535,6 +584,7 @@ class Plan:
     process_bytes: int = 0  # the process beside the engine: interpreter, libraries, UI
     open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
     machine_limit: int | None = None  # what the machine could hold, when it was checked
+    work_parts: dict[str, int] = field(default_factory=dict)  # work_bytes by kind
     # per layer, layer 0 first
     layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk as stored
     layer_matrix_bytes: tuple[int, ...] = field(default=(), repr=False)  # cost when pinned
@@ -574,6 +624,20 @@ class Plan:
         MoE layer's top-k and, with embed_stream, the token's embedding row."""
         return (self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
                 + (self.embed_row_bytes if self.embed_stream else 0))
+
+    def prefill_passes(self, prompt_tokens: int, chunk: int | None = None) -> list[int]:
+        """Tokens of each engine pass a prompt is fed in (the engine's km_forward split)."""
+        c = self.prefill_chunk if chunk is None else chunk
+        return [min(c, prompt_tokens - done) for done in range(0, prompt_tokens, c)]
+
+    def prefill_expert_bytes(self, prompt_tokens: int, chunk: int | None = None) -> float:
+        """Expected routed-expert bytes a prompt reads: per pass, every MoE layer's expected
+        distinct experts under uniform routing, each read once in that pass (none reused
+        from the cache across passes: with a small cache, as on K3, that is what happens)."""
+        per_layer = self.experts_total // self.moe_layers if self.moe_layers else 0
+        distinct = sum(expected_distinct_experts(per_layer, self.top_k, n)
+                       for n in self.prefill_passes(prompt_tokens, chunk))
+        return distinct * self.moe_layers * self.expert_bytes
 
     def engine_options(self, reader_threads: int = IO_READERS) -> dict[str, Any]:
         """The engine's open options for this plan, as `StreamOptions` field values."""
@@ -647,11 +711,15 @@ def _render_table(p: Plan) -> str:
              "embeddings": embed_note,
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
-             "work buffers": f"estimate, prefill chunk of {p.prefill_chunk} tokens",
+             "work buffers": f"peak of one prefill pass, chunk of {p.prefill_chunk:,} tokens "
+                             f"(the largest this budget allows, at most the context)",
              "turn snapshots": f"{p.snapshots} x (KDA state + MLA rows + ids at the context)",
              "KDA state": "fixed, whatever the context",
              "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB"}
-    lines += [_row(k, v, notes.get(k, "")) for k, v in p.floor_parts.items()]
+    for k, v in p.floor_parts.items():
+        lines.append(_row(k, v, notes.get(k, "")))
+        if k == "work buffers":
+            lines += _work_rows(p)
     lines.append(_row("floor total", p.floor_bytes))
     n_layers = len(p.pinned_layers) + len(p.streamed_layers)
     lines.append(f"trunk ({p.trunk_bytes:,} B in {n_layers} layers; matrices "
@@ -693,6 +761,22 @@ def _render_table(p: Plan) -> str:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
     return "\n".join(lines)
+
+
+_WORK_NOTES = {
+    "activations": "residual, x, xn, sublayer output and the AttnRes block snapshots",
+    "sublayer scratch": "the largest of KDA, MLA, MoE and dense scratch, reused",
+    "widened inputs (double)": "one matmul input at a time, for the double-lane kernels",
+    "routing lists": "MoE top-k, token lists and lookahead picks (int32)",
+    "MLA scores, per head": "query and context rows + double scores to the "
+                                        "context, per head; not beside the widened inputs",
+    "logits": "the last position's logits",
+}
+
+
+def _work_rows(p: Plan) -> list[str]:
+    """The work buffers by kind, indented under their row."""
+    return [_row(f"  {k}", v, _WORK_NOTES.get(k, "")) for k, v in p.work_parts.items()]
 
 
 @dataclass(frozen=True)
@@ -794,6 +878,36 @@ def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
             + trunk.pinned_bytes + trunk.router_bytes)
     table = 0 if trunk.embed_stream else ts.embed
     return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
+
+
+def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
+                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int) -> int:
+    """The largest prefill chunk (at most the context) beside `trunk` and the expert cache.
+
+    A bigger chunk reads each distinct expert and every streamed trunk unit once for more
+    tokens, so it takes the room above the minimum expert cache; except when the budget
+    could cache every routed expert beside the base chunk: then each expert is read at most
+    once anyway, so the cache keeps them all and the chunk gets only what is left."""
+    slot = slot_bytes(ts.expert_bytes)
+    base = base_chunk(context)
+
+    def need(chunk: int, slots: int) -> int:
+        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+        return floor.total + trunk.cost(ring_slots) + slots * slot
+
+    slots = _min_expert_slots(cfg, ts)
+    if ts.n_experts_total and need(base, ts.n_experts_total) <= budget:
+        slots = ts.n_experts_total
+    if need(base, slots) > budget:  # the caller checked the base chunk fits: defensive
+        return base
+    lo, hi = base, context
+    while lo < hi:  # the work buffers grow with the chunk, so bisect
+        mid = (lo + hi + 1) // 2
+        if need(mid, slots) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _min_expert_slots(cfg: ModelConfig, ts: TensorSizes) -> int:
@@ -974,13 +1088,16 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     if trunk is None:
         raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
                        process_bytes)
-    floor = floors[trunk.embed_stream]
+    chunk = _largest_chunk(cfg, ts, budget_bytes, context, snapshots, trunk, ring_slots,
+                           process_bytes)
+    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
     unit = trunk.ring_unit
     unit_bytes, unit_tensors = lay.unit_raw[unit[0]][unit[1]] if unit else (0, 0)
     return Plan(
-        budget=budget_bytes, context=context, prefill_chunk=PREFILL_CHUNK,
+        budget=budget_bytes, context=context, prefill_chunk=chunk,
+        work_parts=work_buffer_parts(cfg, context, chunk),
         embed_stream=trunk.embed_stream, embed_bytes=floor.parts["embeddings"],
         embed_table_bytes=ts.embed, embed_row_bytes=embed_row_bytes(cfg, ts),
         lm_head_bytes=floor.parts["lm_head"],
@@ -1055,6 +1172,50 @@ def _lookahead_arg(text: str) -> int:
     return value
 
 
+def _prompt_arg(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a prompt has at least 1 token, got {value}")
+    return value
+
+
+def prompt_report(plan: Plan, prompt_tokens: int) -> dict[str, Any]:
+    """How a prompt of `prompt_tokens` is fed under `plan`, beside the engine's default chunk
+    and one pass for the whole prompt: passes and expected routed-expert bytes."""
+    per_layer = plan.experts_total // plan.moe_layers if plan.moe_layers else 0
+    every_once = plan.moe_layers * per_layer * plan.expert_bytes
+
+    def case(chunk: int) -> dict[str, Any]:
+        passes = plan.prefill_passes(prompt_tokens, chunk)
+        return {"chunk": chunk, "passes": len(passes),
+                "expected_expert_bytes": round(plan.prefill_expert_bytes(prompt_tokens, chunk))}
+
+    return {"prompt_tokens": prompt_tokens, "plan": case(plan.prefill_chunk),
+            "default_chunk": case(PREFILL_CHUNK), "one_pass": case(prompt_tokens),
+            "every_expert_once_bytes": every_once,
+            "routing": "expected distinct experts per pass and MoE layer under uniform "
+                       "routing, n x (1 - (1 - k/n)^tokens), each read once per pass; "
+                       "the engine's statistics (expert_bytes_read) report what was read"}
+
+
+def _prompt_text(rep: Mapping[str, Any]) -> str:
+    def line(label: str, c: Mapping[str, Any]) -> str:
+        nbytes = c["expected_expert_bytes"]
+        return (f"  {label:<22} chunk {c['chunk']:>7,} tokens, {c['passes']:>5,} pass(es): "
+                f"{nbytes:>22,} B {sz.format_bytes(nbytes):>12}")
+
+    return "\n".join([
+        f"prompt of {rep['prompt_tokens']:,} tokens: expected routed-expert bytes read "
+        f"(uniform routing: each pass reads the distinct experts its tokens route to, once)",
+        line("this plan", rep["plan"]), line("engine default", rep["default_chunk"]),
+        line("whole prompt at once", rep["one_pass"]),
+        f"  (every routed expert once: {rep['every_expert_once_bytes']:,} B; the engine's "
+        f"statistics report what was read: expert_bytes_read)"])
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="k3chat plan",
@@ -1071,6 +1232,9 @@ def _parser() -> argparse.ArgumentParser:
                          "prefetched for the next layer (default, as `k3chat run` does: "
                          "the model's top-k when the trunk is resident, else 0 = off); when "
                          "on, the routers of streamed layers stay resident")
+    ap.add_argument("--prompt-tokens", type=_prompt_arg, default=None, metavar="N",
+                    help="also report how a prompt of N tokens is fed: the prefill chunk, the "
+                         "passes and the expected expert bytes read (uniform routing)")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -1083,7 +1247,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--json OUT]`:
+    """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--prompt-tokens N]
+    [--json OUT]`:
     0 ok, 2 refused."""
     try:
         args = _parser().parse_args(list(argv))
@@ -1104,6 +1269,10 @@ def main_plan(argv: Sequence[str]) -> int:
         else:
             plan = make_plan(cfg, ts, budget, args.context, check_machine=machine,
                              lookahead=args.lookahead, process_bytes=process)
+        if args.prompt_tokens is not None and args.prompt_tokens > args.context:
+            raise PlanError(f"a prompt of {args.prompt_tokens:,} tokens does not fit a context of "
+                            f"{args.context:,} tokens. What to do: give --context "
+                            f"{args.prompt_tokens:,} or more", budget=budget, context=args.context)
     except (sz.MemorySizeError, CheckpointError, PlanError, OSError) as exc:
         print(f"k3chat plan: {exc}", file=sys.stderr)
         if isinstance(exc, PlanError) and exc.machine_limit is not None:
@@ -1117,9 +1286,12 @@ def main_plan(argv: Sequence[str]) -> int:
         print(f"--memory auto: {int(sz.AUTO_FRACTION * 100)}% of what this machine can hold "
               f"without swapping, in 256 MiB steps")
     print(plan.table())
+    payload: dict[str, Any] = {"ok": True, "model_dir": str(args.model_dir), "plan": plan.to_dict()}
+    if args.prompt_tokens is not None:
+        payload["prompt"] = prompt_report(plan, args.prompt_tokens)
+        print(_prompt_text(payload["prompt"]))
     if args.json_out:
-        _write_json(args.json_out, {"ok": True, "model_dir": str(args.model_dir),
-                                    "plan": plan.to_dict()})
+        _write_json(args.json_out, payload)
     return EXIT_OK
 
 

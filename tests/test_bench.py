@@ -325,3 +325,20 @@ def test_main_bench_writes_json_and_exit_codes(tiny_bench: Path, tmp_path: Path,
     (foreign / "x").write_text("x")
     assert bench.main_bench(["--dir", str(foreign)], shape=TINY_SHAPE) == 1
     assert RESULT_NAME not in os.listdir(foreign)
+
+
+def test_bench_prefill_chunk_is_passed_to_the_engine(tiny_bench: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--prefill-chunk` reaches the engine: with a cache smaller than a layer's experts a
+    one-token chunk re-reads experts a whole-prompt chunk reads once; both are reported."""
+    read = {}
+    for chunk in (1, 6):
+        res = run_bench(tiny_bench, tokens=1, prompt_tokens=6, threads=1, lookahead=0,
+                        streamed=False, probe=False, prefill_chunk=chunk)
+        assert res["settings"]["prefill_chunk"] == chunk
+        read[chunk] = res["configs"][0]["prefill"]["expert_bytes_read"]
+        assert f"in chunks of {chunk}," in bench.format_report(res)
+        assert f"expert bytes read {read[chunk]:,}" in bench.format_report(res)
+    assert 0 < read[6] < read[1]
+    assert bench.main_bench(["--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err

@@ -187,75 +187,122 @@ def k3_floor(context: int, embed: int) -> int:
             + context * K3_MLA_PER_POSITION)
 
 
+K3_STAGING = 8 * sz.MiB  # 8 reader threads x 1 MiB
+
+
+def k3_work(chunk: int, context: int = 8192) -> int:
+    """One prefill pass of `chunk` tokens on K3, from the spec's widths and what km_chunk and
+    its sublayers allocate (native/k3_model.c, k3_kda.c, k3_mla.c, k3_moe.c, kk_widen)."""
+    t, snapshots = chunk, -(-93 // 12)  # AttnRes blocks of 12 layers
+    activations = (snapshots + 4) * t * E * 4  # cur, x, xn, a + block snapshots
+    kda = 6 * P + D + 96  # q k v g z y, fa, beta
+    mla = 2 * 1536 + 96 * 192 + 576 + 2 * 96 * 128  # qa x2, q, kv_a, o, gate
+    moe = 2 * 896 + 2 * 16 + 16 * 3584 + 5 * 3584 + E + 2 * 6144 + 2 * 3072
+    dense = 2 * 33792
+    scratch = t * max(kda, mla, moe, dense) * 4
+    widened = t * 33792 * 8  # layer 0's down projection takes the widest input
+    routing = 4 * (t * (16 + 2 + 896) + 896)  # top-k, token and slot lists, lookahead picks
+    mla_heads = 96 * (2 * 512 * 4 + (2 * 512 + context) * 8)  # qabs, ctx + double sums
+    return activations + scratch + max(widened + routing, mla_heads) + 163840 * 4
+
+
+def k3_largest_chunk(held_without_work: int, budget: int, context: int = 8192) -> int:
+    """The largest chunk (<= context) whose pass fits beside what else the plan holds."""
+    chunk = 64
+    while chunk < context and held_without_work + k3_work(chunk + 1, context) <= budget:
+        chunk += 1
+    return chunk
+
+
+def test_k3_work_buffers_mirror_what_the_engine_allocates(k3) -> None:
+    """The work buffers are the engine's per-pass allocations: the MoE scratch is the
+    largest on K3, the matmul inputs are widened to doubles, the MLA head rows are per head
+    (96) with double scores to the context, and they grow with the chunk."""
+    cfg, _ = k3
+    for chunk, context in ((1, 1), (64, 8192), (1097, 8192), (8192, 131072)):
+        parts = pl.work_buffer_parts(cfg, context, chunk)
+        assert pl.work_buffer_bytes(parts) == k3_work(chunk, context), (chunk, context)
+    parts = pl.work_buffer_parts(cfg, 8192, 64)
+    assert parts["MLA scores, per head"] == 96 * (4096 + (1024 + 8192) * 8)
+    assert parts["widened inputs (double)"] == 64 * 33792 * 8
+
+
 def test_k3_8g_fits_streaming_units(k3) -> None:
     """8 GiB holds K3: no embedding table, ring slots for one unit, not one layer.
 
     Floor at 8,192 tokens without the table (GiB): lm_head 2.19 + KDA state 0.43 + one turn
     snapshot 0.85 (the whole state export: KDA state 0.43 + MLA rows 0.42 + ids) + MLA cache
-    0.42 + fp32 vectors 0.06 + work and staging 0.06 = 4.01. Pinning layer 0 (2.18) would let
-    the ring slots shrink to a KDA attention unit (0.83 each), but that needs 4.01 + 2.18 +
-    2 x 0.83 (1.65) + 17 expert slots 0.28 = 8.12 > 8. So every layer streams, through slots
-    for layer 0's dense FFN unit (1.35 each): 4.01 + 2 x 1.35 (2.71) = 6.72 held, and the
-    remaining 1.28 makes 78 expert slots. (Layer 0 is pinned from 8.12 GiB: the 9 GiB test.)
+    0.42 + fp32 vectors 0.06 + staging 0.01 + work for a 64-token pass 0.06 = 4.02. Pinning
+    layer 0 (2.18) would let the ring slots shrink to a KDA attention unit (0.83 each), but
+    that needs 4.02 + 2.18 + 2 x 0.83 (1.65) + 17 expert slots 0.28 = 8.13 > 8. So every layer
+    streams, through slots for layer 0's dense FFN unit (1.35 each): 4.02 + 2 x 1.35 (2.71) +
+    17 expert slots 0.28 = 7.01, and the remaining 0.99 grows the prefill chunk from 64 to
+    1,097 tokens (work 1.05). (Layer 0 is pinned from 8.13 GiB: the 9 GiB test.)
     """
     cfg, ts = k3
     budget = sz.parse_memory("small")
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
     assert plan.embed_stream and plan.embed_bytes == K3_ROW
-    floor = k3_floor(8192, embed=K3_ROW)
-    assert 0 < plan.floor_bytes - floor < 64 * sz.MiB  # work buffers + staging
+    floor = k3_floor(8192, embed=K3_ROW) + K3_STAGING
+    assert plan.floor_bytes == floor + k3_work(plan.prefill_chunk)
     # pinning layer 0 does not fit beside the smaller ring and the minimum expert cache
-    assert (plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
+    assert (floor + k3_work(64) + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
             + 17 * EXPERT_SLOT > budget)
     assert plan.pinned_layers == () and plan.pinned_bytes == 0
     assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
     assert plan.ring_unit == "layer 0 FFN"
     assert plan.streamed_bytes == K3_LAYER0_MATRICES + 68 * K3_KDA_MATRICES + 24 * K3_MLA_MATRICES
-    held = plan.floor_bytes + 2 * ring_bound(K3_DENSE_FFN, 3)
+    held = floor + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
     assert plan.expert_slot_bytes == EXPERT_SLOT
-    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 78
+    # the room above the minimum expert cache grows the prefill chunk
+    assert plan.expert_slots == 17
+    assert plan.prefill_chunk == k3_largest_chunk(held, budget) == 1097
     assert plan.cold_read_per_token == plan.streamed_bytes + 92 * 16 * K3_EXPERT + K3_ROW
     opts = plan.stream_options()
     assert (opts.trunk_stream, opts.ring_slots, opts.pinned) == (True, 2, ())
     assert opts.embed_stream
-    assert opts.expert_cache_bytes == 78 * EXPERT_SLOT and opts.lookahead == 0
+    assert opts.expert_cache_bytes == 17 * EXPERT_SLOT and opts.lookahead == 0
+    assert opts.prefill_chunk == 1097
     assert (opts.direct_io, opts.prefetch, opts.reader_threads) == (True, True, 8)
     table = plan.table()
     for text in ("streamed: one row of 14,336 B", "pinned: 0 layers", "streamed: 93 layers",
                  "layer 0 FFN", f"{K3_DENSE_FFN:,} B in 3 tensors", "embed_stream=True",
-                 "pinned none"):
+                 "pinned none", "chunk of 1,097 tokens", "MLA scores, per head",
+                 "widened inputs (double)"):
         assert text in table, text
 
 
 def test_k3_9g_pins_layer0_so_the_slots_shrink(k3) -> None:
     """Pinning layer 0 lets the ring slots shrink from its dense FFN unit to a KDA attention
-    unit; with the whole state export in the floor this first fits at 8.12 GiB (8 GiB streams
+    unit; with the whole state export in the floor this first fits at 8.13 GiB (8 GiB streams
     every layer), so it is shown at 9 GiB.
 
-    Floor 4.01 (rows streamed) + layer 0 2.18 + ring 2 x 0.83 (1.65) = 7.84 held; the
-    remaining 1.16 makes 70 expert slots. Pinning layer 1 too (1.18) would need 7.84 + 1.18 +
-    17 expert slots 0.28 = 9.30 > 9.
+    Floor 4.02 (rows streamed, a 64-token pass) + layer 0 2.18 + ring 2 x 0.83 (1.65) + 17
+    expert slots 0.28 = 8.13 held; the remaining 0.87 grows the chunk to 967 tokens. Pinning
+    layer 1 too (1.18) would need 8.13 + 1.18 = 9.31 > 9.
     """
     cfg, ts = k3
     budget = sz.parse_memory("9G")
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
     assert plan.embed_stream and plan.embed_bytes == K3_ROW
-    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_ROW) < 64 * sz.MiB
+    floor = k3_floor(8192, embed=K3_ROW) + K3_STAGING
+    assert plan.floor_bytes == floor + k3_work(plan.prefill_chunk)
     assert plan.pinned_layers == (0,) and plan.pinned_bytes == K3_LAYER0_MATRICES
     assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
     assert plan.ring_unit == "layer 1 attention"
     assert plan.streamed_bytes == 68 * K3_KDA_MATRICES + 24 * K3_MLA_MATRICES
-    held = plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
-    assert held + K3_KDA_MATRICES + 17 * EXPERT_SLOT > budget  # layer 1 does not fit as well
+    held = floor + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8) + 17 * EXPERT_SLOT
+    assert held + k3_work(64) + K3_KDA_MATRICES > budget  # layer 1 does not fit as well
     assert plan.expert_slot_bytes == EXPERT_SLOT
-    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 70
+    assert plan.expert_slots == 17
+    assert plan.prefill_chunk == k3_largest_chunk(held, budget) == 967
     assert plan.cold_read_per_token == plan.streamed_bytes + 92 * 16 * K3_EXPERT + K3_ROW
     opts = plan.stream_options()
     assert (opts.trunk_stream, opts.ring_slots, opts.pinned) == (True, 2, (0,))
     assert opts.embed_stream
-    assert opts.expert_cache_bytes == 70 * EXPERT_SLOT and opts.lookahead == 0
+    assert opts.expert_cache_bytes == 17 * EXPERT_SLOT and opts.lookahead == 0
     assert (opts.direct_io, opts.prefetch, opts.reader_threads) == (True, True, 8)
     table = plan.table()
     for text in ("streamed: one row of 14,336 B", "pinned: 1 layers", "layer 1 attention",
@@ -266,9 +313,10 @@ def test_k3_9g_pins_layer0_so_the_slots_shrink(k3) -> None:
 def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
     """The smallest K3 plan streams every layer through slots sized for layer 0's FFN unit.
 
-    7.00 GiB at 8,192 tokens (just under 7 GiB, so the refusal suggests --memory 7G): floor
-    4.01 + ring 2 x 1.35 (2.71) + 17 expert slots 0.28. 6 GiB is refused, whatever the
-    context (one token needs 6.15 GiB: the snapshot is then about the KDA state, 0.43).
+    7.01 GiB at 8,192 tokens (just over 7 GiB, so the refusal suggests --memory 8G): floor
+    4.02 (a 64-token pass) + ring 2 x 1.35 (2.71) + 17 expert slots 0.28. 6 GiB is refused,
+    whatever the context (one token needs 6.11 GiB: the snapshot is then about the KDA
+    state, 0.43). At the minimum the chunk is the base 64 tokens.
     """
     cfg, ts = k3
     need = pl.minimum_budget(cfg, ts, 8192)
@@ -276,6 +324,8 @@ def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
     check_invariants(plan)
     assert plan.pinned_layers == () and plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
     assert plan.expert_slots == 17 and plan.ring_unit == "layer 0 FFN"
+    assert plan.prefill_chunk == 64
+    assert plan.floor_bytes == k3_floor(8192, embed=K3_ROW) + K3_STAGING + k3_work(64)
     assert need == plan.floor_bytes + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
     with pytest.raises(pl.PlanError):
         pl.make_plan(cfg, ts, need - 1, 8192, check_machine=False)
@@ -287,7 +337,7 @@ def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
     msg = str(err)
     for text in (f"{budget:,} B", f"{need:,} B", "layer 0's FFN matrices",
                  f"{K3_DENSE_FFN:,} B in 3 tensors", f"{ring_bound(K3_DENSE_FFN, 3):,} B",
-                 "17 slots", "embedding rows read per token", "What to do", "--memory 7G",
+                 "17 slots", "embedding rows read per token", "What to do", "--memory 8G",
                  "smaller context does not help"):
         assert text in msg, text
     with pytest.raises(pl.PlanError):
@@ -297,11 +347,11 @@ def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
 
 
 def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
-    """At 9 GiB layer 0 is pinned without lookahead (8.12 GiB needed); with it the routers of
-    the 92 streamed MoE layers (1.10 GiB) are held too, and 8.12 + 1.10 = 9.22 > 9, so every
-    layer streams: floor 4.01 + routers 1.10 + ring 2 x 1.35 (2.71) = 7.82, and the remaining
-    1.18 makes 72 expert slots. (At 8 GiB, where layer 0 streams anyway, lookahead is refused:
-    the smallest plan needs 7.00 + 1.10 = 8.10.)
+    """At 9 GiB layer 0 is pinned without lookahead (8.13 GiB needed); with it the routers of
+    the 92 streamed MoE layers (1.10 GiB) are held too, and 8.13 + 1.10 = 9.23 > 9, so every
+    layer streams: floor 4.02 + routers 1.10 + ring 2 x 1.35 (2.71) + 17 expert slots 0.28 =
+    8.11, and the remaining 0.89 grows the chunk to 992 tokens. (At 8 GiB, where layer 0
+    streams anyway, lookahead is refused: the smallest plan needs 7.01 + 1.10 = 8.11.)
     """
     cfg, ts = k3
     budget = sz.parse_memory("9G")
@@ -309,14 +359,16 @@ def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False, lookahead=8)
     check_invariants(plan)
     # 92 routers no longer leave room to pin layer 0
-    pin0 = (plan.floor_bytes + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
+    floor = k3_floor(8192, embed=K3_ROW) + K3_STAGING
+    pin0 = (floor + k3_work(64) + K3_LAYER0_MATRICES + 2 * ring_bound(K3_KDA_ATTN, 8)
             + 17 * EXPERT_SLOT)
     assert pin0 <= budget < pin0 + 92 * K3_ROUTER
     assert plan.pinned_layers == () and plan.router_bytes == 92 * K3_ROUTER
     assert plan.streamed_bytes == plan.trunk_matrix_bytes - 92 * K3_ROUTER
     assert plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
-    held = plan.floor_bytes + 92 * K3_ROUTER + 2 * ring_bound(K3_DENSE_FFN, 3)
-    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 72
+    held = floor + 92 * K3_ROUTER + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
+    assert plan.expert_slots == 17
+    assert plan.prefill_chunk == k3_largest_chunk(held, budget) == 992
     assert plan.layer_unit_slots[1] == (ring_bound(K3_KDA_ATTN, 8),
                                         ring_bound(K3_MOE_FFN - K3_ROUTER, 5))
     assert plan.stream_options().lookahead == 8
@@ -339,28 +391,30 @@ def test_k3_16g_pins_layer0_first_and_streams_the_rest(k3) -> None:
     """16 GiB pins layer 0 (2.18 GiB), then KDA layers (1.18 each) before MLA layers (0.79).
 
     With KDA layers still streamed the ring holds a KDA attention unit, 2 x 0.83 (1.65), so
-    16 - floor 4.01 - ring 1.65 - 17 expert slots 0.28 = 10.06 is left for pinned layers:
-    layer 0 and 6 KDA layers (2.18 + 6 x 1.18 = 9.26) fit, a 7th (10.44) does not. The
-    remaining 16 - 4.01 - 9.26 - 1.65 = 1.08 makes 65 expert slots. (With the snapshot
-    counted as the KDA state alone the floor was 0.42 smaller and 7 KDA layers fitted.)
+    16 - floor 4.02 (a 64-token pass) - ring 1.65 - 17 expert slots 0.28 = 10.05 is left for
+    pinned layers: layer 0 and 6 KDA layers (2.18 + 6 x 1.18 = 9.26) fit, a 7th (10.44) does
+    not. The remaining 0.79 grows the chunk to 883 tokens. (With the snapshot counted as the
+    KDA state alone the floor was 0.42 smaller and 7 KDA layers fitted.)
     """
     cfg, ts = k3
     budget = sz.parse_memory("medium")
     plan = pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     check_invariants(plan)
     assert not plan.trunk_resident and plan.embed_stream
-    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_ROW) < 64 * sz.MiB
+    floor = k3_floor(8192, embed=K3_ROW) + K3_STAGING
+    assert plan.floor_bytes == floor + k3_work(plan.prefill_chunk)
     assert 0 in plan.pinned_layers  # the biggest layer goes first (it also shrinks the ring)
     assert plan.ring_slots == 2 and plan.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
     ring = 2 * ring_bound(K3_KDA_ATTN, 8)
-    room = budget - plan.floor_bytes - ring - 17 * EXPERT_SLOT
+    room = budget - floor - k3_work(64) - ring - 17 * EXPERT_SLOT
     kda = (room - K3_LAYER0_MATRICES) // K3_KDA_MATRICES  # KDA layers pinned after layer 0
     kda_layers = [L for L in range(1, 93) if not cfg.is_mla(L)]
     assert kda == 6 and plan.pinned_layers == (0, *kda_layers[:kda])
     assert plan.pinned_layers == (0, 1, 2, 4, 5, 6, 8)  # KDA layers before MLA layers
     assert plan.pinned_bytes == K3_LAYER0_MATRICES + kda * K3_KDA_MATRICES
-    held = plan.floor_bytes + plan.pinned_bytes + ring
-    assert plan.expert_slots == (budget - held) // EXPERT_SLOT == 65
+    held = floor + plan.pinned_bytes + ring + 17 * EXPERT_SLOT
+    assert plan.expert_slots == 17
+    assert plan.prefill_chunk == k3_largest_chunk(held, budget) == 883
     _assert_trunk_first(plan)
 
 
@@ -382,7 +436,10 @@ def test_k3_256g_trunk_resident_rest_is_expert_cache(k3) -> None:
     check_invariants(plan)
     assert plan.trunk_resident and plan.pinned_bytes == K3_TRUNK - K3_VECTORS_STORED
     assert not plan.embed_stream and plan.embed_bytes == K3_EMBED_LM_HEAD // 2
-    assert 0 < plan.floor_bytes - k3_floor(8192, embed=K3_EMBED_LM_HEAD // 2) < 64 * sz.MiB
+    # the chunk reaches the context: a whole 8,192-token prompt in one pass
+    assert plan.prefill_chunk == 8192
+    assert plan.floor_bytes == (k3_floor(8192, embed=K3_EMBED_LM_HEAD // 2) + K3_STAGING
+                                + k3_work(8192))
     rest = budget - plan.floor_bytes - plan.pinned_bytes
     assert plan.expert_slots == rest // EXPERT_SLOT
     assert plan.expert_slots > 8000
@@ -391,7 +448,7 @@ def test_k3_256g_trunk_resident_rest_is_expert_cache(k3) -> None:
     assert opts.expert_cache_bytes == plan.expert_slots * EXPERT_SLOT
     table = plan.table()
     for text in ("embeddings", "lm_head", "KDA state", "MLA latent cache", "work buffers",
-                 "prefill chunk of 64", "I/O staging", "resident (all layers)", "expert cache",
+                 "chunk of 8,192 tokens", "I/O staging", "resident (all layers)", "expert cache",
                  f"{K3_TRUNK:,} B", "resident table", "peak while opening"):
         assert text in table, text
 
@@ -616,6 +673,89 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "reader_threads": 8, "direct_io": True, "lookahead": 2, "prefetch": True,
         "trunk_stream": True, "ring_slots": 2, "pinned": plan["pinned_layers"],
         "embed_stream": True, "prefill_chunk": plan["prefill_chunk"]}
+
+
+def test_k3_prompt_expert_bytes_from_uniform_routing(k3) -> None:
+    """The issue's figures: a 64-token chunk touches about 610 of 896 experts per layer under
+    uniform top-16 routing (about 985 GB per chunk over 92 MoE layers), a 2,000-token prompt
+    in 64-token passes reads about 31 TB, and one pass reads each expert once, 1.45 TB."""
+    cfg, ts = k3
+    plan = pl.make_plan(cfg, ts, sz.parse_memory("small"), 8192, check_machine=False)
+    touched = 896 * (1 - (1 - 16 / 896) ** 64)
+    assert 605 < touched < 615  # 613.2
+    assert plan.prefill_passes(2000, 64) == [64] * 31 + [16]
+    per_pass = 92 * K3_EXPERT * touched
+    assert abs(plan.prefill_expert_bytes(64, 64) - per_pass) < 1
+    assert 980e9 < per_pass < 995e9  # 989.7 GB
+    last = 92 * K3_EXPERT * 896 * (1 - (1 - 16 / 896) ** 16)
+    assert abs(plan.prefill_expert_bytes(2000, 64) - (31 * per_pass + last)) < 64
+    assert 31.0e12 < plan.prefill_expert_bytes(2000, 64) < 31.1e12
+    once = 92 * 896 * K3_EXPERT
+    assert 1.44e12 < plan.prefill_expert_bytes(2000, 2000) <= once < 1.45e12
+    # the plan's own chunk (1,097 tokens at 8G): two passes
+    assert plan.prefill_passes(2000) == [1097, 903]
+    report = pl.prompt_report(plan, 2000)
+    assert report["plan"] == {"chunk": 1097, "passes": 2,
+                              "expected_expert_bytes": round(plan.prefill_expert_bytes(2000))}
+    assert report["default_chunk"]["passes"] == 32 and report["every_expert_once_bytes"] == once
+    assert "uniform routing" in report["routing"]
+
+
+def test_tiny_plan_caches_every_expert_before_growing_the_chunk(tiny: Path) -> None:
+    """When every routed expert fits in the cache beside the base chunk, each is read at most
+    once anyway: the cache keeps them all and the chunk takes only what is left; below that
+    the chunk grows first, down to the minimum cache."""
+    cfg = load_config(tiny)
+    ts = pl.tensor_sizes_from_dir(tiny, cfg)
+    context = 2048
+    ample = pl.make_plan(cfg, ts, 1 << 40, context, check_machine=False)
+    assert ample.expert_slots == ample.experts_total and ample.prefill_chunk == context
+    everything = ample.floor_bytes + ample.trunk_plan_bytes + ample.expert_cache_bytes
+    work = {c: pl.work_buffer_bytes(pl.work_buffer_parts(cfg, context, c)) for c in (64, 65)}
+    base = everything - ample.work_bytes + work[64]  # all experts cached, a 64-token pass
+    plan = pl.make_plan(cfg, ts, base, context, check_machine=False)
+    check_invariants(plan)
+    assert plan.expert_slots == plan.experts_total and plan.prefill_chunk == 64
+    grown = pl.make_plan(cfg, ts, base + work[65] - work[64], context, check_machine=False)
+    assert grown.expert_slots == grown.experts_total and grown.prefill_chunk == 65
+    short = pl.make_plan(cfg, ts, base - 1, context, check_machine=False)
+    check_invariants(short)
+    assert short.expert_slots == short.min_expert_slots and short.prefill_chunk > 64
+    # capped at the context
+    assert pl.make_plan(cfg, ts, 1 << 40, 10, check_machine=False).prefill_chunk == 10
+
+
+def test_k3chat_plan_prompt_tokens(tiny: Path, tmp_path: Path, capsys, fake_machine,
+                                   fixed_process) -> None:
+    out = tmp_path / "plan.json"
+    argv = [str(tiny), "--memory", "136M", "--context", "2048", "--prompt-tokens", "1,000",
+            "--json", str(out)]
+    assert pl.main_plan(argv) == 0
+    text = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    plan, prompt = payload["plan"], payload["prompt"]
+    chunk = plan["prefill_chunk"]
+    passes = -(-1000 // chunk)
+    assert prompt["prompt_tokens"] == 1000 and prompt["plan"]["chunk"] == chunk
+    assert prompt["plan"]["passes"] == passes and prompt["default_chunk"]["passes"] == 16
+    cfg = load_config(tiny)
+    n, k = cfg.n_experts, cfg.top_k
+    sizes = [min(chunk, 1000 - d) for d in range(0, 1000, chunk)]
+    expected = sum(n * (1 - (1 - k / n) ** t) for t in sizes) * len(cfg.moe_layers) * plan[
+        "expert_bytes"]
+    assert prompt["plan"]["expected_expert_bytes"] == round(expected)
+    assert plan["work_parts"]["MLA scores, per head"] > 0
+    assert plan["work_bytes"] == pl.work_buffer_bytes(plan["work_parts"])
+    for part in ("prompt of 1,000 tokens", f"chunk {chunk:>7,} tokens", "uniform routing",
+                 "expert_bytes_read", f"{round(expected):,} B", "MLA scores, per head"):
+        assert part in text, part
+    # a prompt longer than the context is refused with what to do
+    assert pl.main_plan([str(tiny), "--memory", "136M", "--context", "100",
+                         "--prompt-tokens", "101"]) == 2
+    err = capsys.readouterr().err
+    assert "101 tokens does not fit a context of 100" in err and "--context 101" in err
+    assert pl.main_plan([str(tiny), "--prompt-tokens", "0"]) == 2
+    assert "at least 1 token" in capsys.readouterr().err
 
 
 def test_plan_json_is_written_0600_like_run_json(tiny: Path, tmp_path: Path, capsys,

@@ -247,3 +247,36 @@ def test_prefill_chunk_larger_reads_fewer_expert_bytes(wide_dir: Path, wide_ids:
 def test_prefill_chunk_must_be_positive(wide_dir: Path) -> None:
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
         Model(wide_dir, streaming=StreamOptions(prefill_chunk=0))
+
+
+def test_plan_chunk_reads_each_expert_at_most_once_per_prompt(wide_dir: Path) -> None:
+    """A budget with room for a whole-prompt pass (but not for every expert in the cache)
+    gets a plan whose chunk is the context; the engine opened with that plan then reads each
+    expert at most once for the prompt, where the engine's default 64-token passes re-read
+    them, with the same bits."""
+    from k3engine import planner as pl
+    from k3engine.config import load_config
+
+    cfg = load_config(wide_dir)
+    ts = pl.tensor_sizes_from_dir(wide_dir, cfg)
+    context = 150
+    ids = [int(x) for x in np.random.default_rng(10).integers(0, cfg.vocab - 256, context)]
+    # a resident trunk, a whole-prompt pass and the smallest expert cache, nothing more
+    ample = pl.make_plan(cfg, ts, 1 << 40, context, check_machine=False)
+    assert ample.trunk_resident and ample.prefill_chunk == context
+    budget = (ample.floor_bytes + ample.trunk_plan_bytes
+              + (cfg.top_k + 1) * ample.expert_slot_bytes)
+    plan = pl.make_plan(cfg, ts, budget, context, check_machine=False)
+    assert plan.prefill_chunk == context and plan.expert_slots == cfg.top_k + 1
+    misses, logits = {}, {}
+    for chunk in (64, plan.prefill_chunk):
+        opts = plan.engine_options(reader_threads=2)
+        opts["prefill_chunk"] = chunk
+        m = Model(wide_dir, threads=1, streaming=StreamOptions(**opts))
+        s = m.session(context)
+        logits[chunk] = s.feed(ids, all_logits=True).tobytes()
+        misses[chunk] = m.stats()["cache_misses"]
+        s.close()
+        m.close()
+    assert logits[64] == logits[context]
+    assert misses[context] <= len(cfg.moe_layers) * cfg.n_experts < misses[64]
