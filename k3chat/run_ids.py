@@ -109,6 +109,7 @@ def _run_ids(args: argparse.Namespace, signals: SignalStops) -> int:
             per_token.append(_token_row(step_seconds[-1], stats_delta(before, model.stats())))
 
     signals.policy.bind(abort_step=cancel.set)
+    _err(f"generating {args.gen} token(s) from {len(args.ids)} prompt id(s) (Ctrl-C stops after the current step)")
     try:
         _in_worker(decode)
     except Cancelled:

@@ -88,7 +88,10 @@ def test_sigint_finishes_step_and_exits_5(tiny_dir: Path, tmp_path: Path) -> Non
     p = subprocess.Popen([sys.executable, "-m", "k3chat.cli", "run", str(tiny_dir), "--ids", "1,2,3",
                           "--gen", "200000", "--json", str(out)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(4.0)
+    assert p.stderr is not None
+    line = p.stderr.readline()  # the model is open: a signal now stops generation, not opening
+    assert "generating" in line, line
+    time.sleep(1.0)
     assert p.poll() is None, "generation ended before the signal was sent"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
