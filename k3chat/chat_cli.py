@@ -348,6 +348,21 @@ def _check_not_being_answered(store: HistoryStore, info: SessionInfo) -> None:
         raise SessionBusy(repr(info.name) + f" ({info.id})", exc.pid) from None
 
 
+def _open_session(args: argparse.Namespace) -> tuple[HistoryStore, SessionInfo | None, str | None]:
+    """The history and the session this run continues (None: a new one) with its system
+    message, for a local and a remote turn alike; a Failure says why they cannot be had."""
+    from . import paths
+    try:
+        store = _open_store()
+        return (store, *_prepare_session(store, args))
+    except VaultError:
+        raise  # a Failure with its own exit code
+    except SessionBusy as exc:
+        raise Failure(str(exc)) from None
+    except (HistoryError, paths.UnsafePathError, OSError) as exc:
+        raise Failure(f"cannot open the history: {exc}") from None
+
+
 def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     _check_args(args)
     settings = _run_settings(args)
@@ -361,16 +376,7 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
         settings = dataclasses.replace(settings, model=model_dir)
     context = _context(args, model_dir)
     memory = memory_option(args.memory, settings.memory)
-    from . import paths
-    try:
-        store = _open_store()
-        info, system = _prepare_session(store, args)
-    except VaultError as exc:
-        return _fail(str(exc), exc.exit_code)
-    except SessionBusy as exc:
-        return _fail(str(exc))
-    except (HistoryError, paths.UnsafePathError, OSError) as exc:
-        return _fail(f"cannot open the history: {exc}")
+    store, info, system = _open_session(args)
 
     created: SessionInfo | None = None
     try:
@@ -520,19 +526,10 @@ def remote_endpoint(settings: Any) -> Any:
 
 
 def _remote_turn(args: argparse.Namespace, settings: Any, signals: SignalStops, client: Any, model: str) -> int:
-    from . import paths
     from .conversation import sampler_settings
     from .remote import RemoteConversation
 
-    try:
-        store = _open_store()
-        info, system = _prepare_session(store, args)
-    except VaultError as exc:
-        return _fail(str(exc), exc.exit_code)
-    except SessionBusy as exc:
-        return _fail(str(exc))
-    except (HistoryError, paths.UnsafePathError, OSError) as exc:
-        return _fail(f"cannot open the history: {exc}")
+    store, info, system = _open_session(args)
     if signals.requested.is_set():
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
     created: SessionInfo | None = None
