@@ -379,6 +379,7 @@ class EngineWorker:
             token = int(sampler.sample(logits))
             generated += 1
             if parser is not None:
+                was_closed = parser.closed
                 if parser.channel == "reasoning":
                     out.reasoning_tokens += 1
                 for channel, text in parser.push(token):
@@ -386,6 +387,10 @@ class EngineWorker:
                         finish = "stop"
                         break
                 ended = token in self.grammar.end_ids or parser.channel == "done"
+                if ended and parser.closed and not was_closed and token not in self.grammar.end_ids:
+                    # One more step samples the end id after CLOSURE, as a local turn does: the
+                    # strict parse needs it, and usage then counts what history records.
+                    ended = generated >= job.max_tokens
             else:
                 ended = self.tokenizer.is_special(token)
                 if not ended and decoder is not None and emit_text("content", decoder.push(token)):
