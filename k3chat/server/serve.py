@@ -268,7 +268,8 @@ def _serve_opened(args: argparse.Namespace, opened: Any, model_id: str, context:
     policy.bind(after_step=worker.stop_after_step, abort_step=worker.abort_step)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(Service(worker, opened.tokenizer, model_id, context, key)),
+    config = uvicorn.Config(create_app(Service(worker, opened.tokenizer, model_id, context, key,
+                                                      plan_bytes=opened.plan.total if opened.plan else None)),
                             log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=30)
     server = _server_class()(config, policy)
     worker.start()
