@@ -1357,7 +1357,7 @@ def temp_copies(directory: Path, target: str) -> list[Path]:
         return []
     found = []
     for name in names:
-        m = paths._TEMP_RE.fullmatch(name)
+        m = paths.TEMP_RE.fullmatch(name)
         if m is not None and m["target"] == target:
             found.append(Path(directory) / name)
     return found
