@@ -136,6 +136,13 @@ def read_attachment(path: str | Path) -> Attachment:
                       sha256=hashlib.sha256(data).hexdigest(), kind=kind, text=text, notes=tuple(notes))
 
 
+def read_text_file(path: str | Path, option: str) -> str:
+    """A text file given with ``option`` (e.g. --prompt-file), checked like an attachment."""
+    given = Path(path).expanduser()
+    text, _ = _decoded(_read_bytes(given, str(path), f"read the {option}"), str(path), f"read the {option}")
+    return text
+
+
 def kind_for(path: Path) -> str:
     """The kind a file's name says (an unknown extension is plain text: its bytes decide)."""
     if path.name.lower() in _CODE_NAMES:
@@ -143,41 +150,41 @@ def kind_for(path: Path) -> str:
     return _EXTENSION_KINDS.get(path.suffix.lower().lstrip("."), "text")
 
 
-def _read_bytes(path: Path, shown: str) -> bytes:
+def _read_bytes(path: Path, shown: str, verb: str = "attach") -> bytes:
     try:
         st = path.stat()  # before open: a FIFO or a device would block or never end
     except FileNotFoundError:
-        raise AttachmentError(f"cannot attach {shown}: no such file (relative paths are from {os.getcwd()}); "
+        raise AttachmentError(f"cannot {verb} {shown}: no such file (relative paths are from {os.getcwd()}); "
                               "check the path") from None
     except PermissionError:
-        raise AttachmentError(f"cannot attach {shown}: permission denied on a directory in its path; "
+        raise AttachmentError(f"cannot {verb} {shown}: permission denied on a directory in its path; "
                               "check the permissions (ls -ld) or copy the file somewhere you can read") from None
     except OSError as exc:
-        raise AttachmentError(f"cannot attach {shown}: {exc.strerror or exc}; check the path") from None
+        raise AttachmentError(f"cannot {verb} {shown}: {exc.strerror or exc}; check the path") from None
     if stat.S_ISDIR(st.st_mode):
-        raise AttachmentError(f"cannot attach {shown}: it is a directory; attach the files in it one by one")
+        raise AttachmentError(f"cannot {verb} {shown}: it is a directory; attach the files in it one by one")
     if not stat.S_ISREG(st.st_mode):
-        raise AttachmentError(f"cannot attach {shown}: it is not a regular file (a device, pipe or socket); "
+        raise AttachmentError(f"cannot {verb} {shown}: it is not a regular file (a device, pipe or socket); "
                               "save what it holds to a file and attach that")
-    _check_size(st.st_size, shown)
+    _check_size(st.st_size, shown, verb)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except PermissionError:
-        raise AttachmentError(f"cannot attach {shown}: permission denied; check its permissions (ls -l) "
+        raise AttachmentError(f"cannot {verb} {shown}: permission denied; check its permissions (ls -l) "
                               "or copy it somewhere you can read") from None
     except OSError as exc:
         hint = "the disk may be failing" if exc.errno == errno.EIO else "check the file"
-        raise AttachmentError(f"cannot read {shown}: {exc.strerror or exc}; {hint}") from None
-    _check_size(len(data), shown)  # it may have grown since stat
+        raise AttachmentError(f"cannot {verb} {shown}: {exc.strerror or exc}; {hint}") from None
+    _check_size(len(data), shown, verb)  # it may have grown since stat
     if not data:
-        raise AttachmentError(f"cannot attach {shown}: the file is empty (0 bytes); there is nothing to read")
+        raise AttachmentError(f"cannot {verb} {shown}: the file is empty (0 bytes); there is nothing to read")
     return data
 
 
-def _check_size(size: int, shown: str) -> None:
+def _check_size(size: int, shown: str, verb: str = "attach") -> None:
     if size > MAX_FILE_BYTES:
-        raise AttachmentError(f"cannot attach {shown}: it is {size / 2**20:,.1f} MiB and attachments are limited "
+        raise AttachmentError(f"cannot {verb} {shown}: it is {size / 2**20:,.1f} MiB and files are limited "
                               f"to {MAX_FILE_BYTES // 2**20} MiB each (far more than any context holds); "
                               "attach the part you want to ask about")
 
@@ -185,7 +192,7 @@ def _check_size(size: int, shown: str) -> None:
 _BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
 
 
-def _decoded(data: bytes, shown: str) -> tuple[str, list[str]]:
+def _decoded(data: bytes, shown: str, verb: str = "attach") -> tuple[str, list[str]]:
     """The text of a text file (UTF-8, or UTF-16 with its BOM), else why it is binary."""
     for bom, encoding in _BOMS:
         if data.startswith(bom):
@@ -195,19 +202,20 @@ def _decoded(data: bytes, shown: str) -> tuple[str, list[str]]:
         body, offset, encoding = data, 0, "utf-8"
     if encoding == "utf-8" and b"\x00" in body:
         at = body.index(b"\x00") + offset
-        raise AttachmentError(f"cannot attach {shown}: it looks binary (a NUL byte at offset {at:,}); only text "
-                              "files (UTF-8) and PDFs can be attached")
+        raise AttachmentError(f"cannot {verb} {shown}: it looks binary (a NUL byte at offset {at:,}); "
+                              + ("only text files (UTF-8) and PDFs can be attached" if verb == "attach"
+                                 else "give a UTF-8 text file"))
     try:
         text = body.decode(encoding)
     except UnicodeDecodeError as exc:
         at = exc.start + offset
-        raise AttachmentError(f"cannot attach {shown}: it is not {encoding.upper()} text (byte 0x{body[exc.start]:02x} "
+        raise AttachmentError(f"cannot {verb} {shown}: it is not {encoding.upper()} text (byte 0x{body[exc.start]:02x} "
                               f"at offset {at:,} cannot be decoded); if it is text in another encoding, convert it "
                               f"(e.g. iconv -f LATIN1 -t UTF-8 {shown} > copy.txt) and attach the copy") from None
     if "\x00" in text:
-        raise AttachmentError(f"cannot attach {shown}: it holds NUL characters, so it is not text")
+        raise AttachmentError(f"cannot {verb} {shown}: it holds NUL characters, so it is not text")
     if not text:
-        raise AttachmentError(f"cannot attach {shown}: it holds nothing but a byte-order mark")
+        raise AttachmentError(f"cannot {verb} {shown}: it holds nothing but a byte-order mark")
     notes = [] if encoding == "utf-8" else [f"decoded from {encoding.upper()} (byte-order mark)"]
     return text, notes
 
@@ -222,6 +230,7 @@ def _json_notes(text: str) -> list[str]:
 
 def _pdf_text(data: bytes, shown: str) -> tuple[str, list[str]]:
     """Each page's text under a "[page N]" line; notes name the pages that had none."""
+    verb = "attach"
     import io
 
     from pypdf import PdfReader
@@ -230,19 +239,19 @@ def _pdf_text(data: bytes, shown: str) -> tuple[str, list[str]]:
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
         if reader.is_encrypted and not reader.decrypt(""):
-            raise AttachmentError(f"cannot attach {shown}: the PDF is encrypted with a password; save a decrypted "
+            raise AttachmentError(f"cannot {verb} {shown}: the PDF is encrypted with a password; save a decrypted "
                                   "copy (e.g. qpdf --decrypt --password=... in.pdf out.pdf) and attach that")
         pages = [page.extract_text() or "" for page in reader.pages]
     except AttachmentError:
         raise
     except Exception as exc:  # a hostile or broken file can make the parser raise anything
-        raise AttachmentError(f"cannot attach {shown}: the PDF cannot be read ({type(exc).__name__}: {exc}); "
+        raise AttachmentError(f"cannot {verb} {shown}: the PDF cannot be read ({type(exc).__name__}: {exc}); "
                               f"{what_to_do}") from None
     if not pages:
-        raise AttachmentError(f"cannot attach {shown}: the PDF has no pages")
+        raise AttachmentError(f"cannot {verb} {shown}: the PDF has no pages")
     empty = [n for n, text in enumerate(pages, start=1) if not text.strip()]
     if len(empty) == len(pages):
-        raise AttachmentError(f"cannot attach {shown}: none of its {len(pages)} page(s) has extractable text "
+        raise AttachmentError(f"cannot {verb} {shown}: none of its {len(pages)} page(s) has extractable text "
                               "(a scan or images?); run it through OCR first, or attach its text")
     text = "\n\n".join(f"[page {n}]\n{page.strip(chr(10)) if page.strip() else '(no extractable text)'}"
                        for n, page in enumerate(pages, start=1)).replace("\x00", "")
@@ -355,4 +364,4 @@ def _is_text(value: str) -> bool:
 
 
 __all__ = ["Attachment", "AttachmentError", "read_attachment", "render_user_message", "token_count", "fence_for",
-           "model_message", "record_attachments", "attachments_problem", "kind_for", "KINDS", "MAX_FILE_BYTES"]
+           "model_message", "record_attachments", "attachments_problem", "kind_for", "read_text_file", "KINDS", "MAX_FILE_BYTES"]

@@ -1336,7 +1336,7 @@ def _markdown_attachments(record: Mapping[str, Any]) -> list[str]:
     out: list[str] = []
     for number, entry in enumerate(entries, start=1):
         out += ["", f"> **Attachment {number} of {len(entries)}: {_md_inline(entry['name'])}** "
-                    f"({_md_inline(_kind_words(entry))}, {entry['size']:,} bytes, SHA\-256 {entry['sha256']})"]
+                    f"({_md_inline(_kind_words(entry))}, {entry['size']:,} bytes, SHA\\-256 {entry['sha256']})"]
         out += [f"> *{_md_inline(note)}*" for note in entry["notes"]]
         out += [">", *(f"> {line}".rstrip() for line in _fenced(entry["text"]))]
     return out
