@@ -28,6 +28,8 @@ class ContextAdvice:
     suggested: int | None  # a context that holds the turn; None: more than the model's limit
     model_limit: int | None  # the model's max_position_embeddings, when known
     memory: int | None  # the planner's smallest budget for ``suggested`` (None: not planned)
+    lookahead: int = 0  # what ``memory`` was planned with: the session plan's lookahead
+    process_bytes: int = 0  # and its reserve for the process beside the engine
 
     def message(self, model_dir: str | Path) -> str:
         head = (f"the message does not fit the context: the turn needs {self.needed:,} positions "
@@ -75,7 +77,8 @@ def advise(overflow: ContextOverflow, model_dir: str | Path | None, *, lookahead
     if suggested is not None and model_dir is not None:
         memory = planned_minimum(model_dir, suggested, lookahead=lookahead, process_bytes=process_bytes)
     return ContextAdvice(needed=needed, prompt_tokens=overflow.prompt_tokens, max_tokens=overflow.max_tokens,
-                         context=overflow.context, suggested=suggested, model_limit=limit, memory=memory)
+                         context=overflow.context, suggested=suggested, model_limit=limit, memory=memory,
+                         lookahead=lookahead, process_bytes=process_bytes)
 
 
 def planned_minimum(model_dir: str | Path, context: int, *, lookahead: int = 0, process_bytes: int = 0) -> int | None:
