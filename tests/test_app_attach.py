@@ -62,7 +62,9 @@ def test_picker_chips_and_send(home: Path, model: Any, tok: Tokenizer, tiny_dir:
             assert Path(tree.path) == cwd
             await until(pilot, lambda: any(str(n.label) == "notes.txt" for n in tree.root.children), "the tree")
             line = next(n for n in tree.root.children if str(n.label) == "notes.txt").line
-            tree.focus()
+            assert isinstance(app.focused, Input)  # the path box first; tab reaches the tree
+            await pilot.press("shift+tab")
+            assert app.focused is tree
             tree.cursor_line = line
             await pilot.press("enter")
             await until(pilot, lambda: app.attach_events == ["notes.txt"], "notes.txt to be attached")

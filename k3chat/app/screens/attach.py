@@ -1,5 +1,5 @@
 """The file picker behind "Attach file...": a directory tree from the working directory and a
-path box. Enter on a file in the tree, or on a path in the box, chooses it; the screen posts
+path box (focused first). Enter on a file in the tree, or on a path in the box, chooses it; the screen posts
 ``AttachScreen.Chosen`` up to the app (which reads the file, off the UI thread, and adds its
 chip, or says why it cannot) and closes. Escape closes without choosing."""
 
@@ -41,7 +41,7 @@ class AttachScreen(ModalScreen[None]):
 
     def on_mount(self) -> None:
         self.query_one("#attach-error").display = False
-        self.query_one("#attach-tree", DirectoryTree).focus()
+        self.query_one("#attach-path", Input).focus()  # typing a path is quickest; shift+tab or a click reaches the tree
 
     def on_directory_tree_file_selected(self, event: DirectoryTree.FileSelected) -> None:
         event.stop()
