@@ -135,3 +135,18 @@ def test_prompt_file_over_128_kib_is_read_whole_and_refused_with_the_numbers(
     assert f"A context of {suggested:,} positions holds it, which needs at least {format_bytes(memory)}" in err
     assert f"run again with --context {suggested} " in err and f"k3chat plan {tiny_dir} --context {suggested}" in err
     assert HistoryStore().list() == []
+
+
+def test_advice_beyond_the_model_limit_and_memory_values_one_can_type(tiny_dir: Path) -> None:
+    from k3chat.context_fit import advise, memory_text, suggested_context
+    from k3chat.conversation import ContextOverflow
+
+    assert suggested_context(1025, 1 << 20) == 2048 and suggested_context(1024, None) == 1024
+    assert suggested_context(1000, 1000) == 1000  # capped at the model's limit, never above it
+    limit = json.loads((tiny_dir / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    advice = advise(ContextOverflow(limit, 64, 8192, reserve=10), tiny_dir)
+    assert advice.suggested is None and advice.memory is None and advice.needed == limit + 64 + 1 + 10
+    message = advice.message(tiny_dir)
+    assert f"max_position_embeddings {limit:,}" in message and "attach less" in message
+    assert "nothing was sent or saved" in message
+    assert (memory_text(300 * 2**20 + 1), memory_text(2**30), memory_text(int(1.21 * 2**30))) == ("301M", "1G", "1.3G")
