@@ -16,10 +16,12 @@ on standard output goes through display.json_safe.
 
 Exit codes (cli.py): 0 done (an answer cut at the token limit too: saved, marked, said);
 1 a runtime failure: the turn failed or its answer was malformed (what was generated is saved,
-marked interrupted), the prompt does not fit the context (nothing is saved), the history could
-not be read or written, the engine failed; 2 a usage or configuration problem, including
-a checkpoint or tokenizer that cannot be opened, a memory plan that cannot fit, an invalid
-prompt text or session name, and --context above the model's max_position_embeddings;
+marked interrupted), the history could not be read or written, the engine failed; 2 a usage or
+configuration problem, including a checkpoint or tokenizer that cannot be opened, a memory plan
+that cannot fit, an invalid prompt text or session name, a --file or --prompt-file that cannot
+be read as text (k3chat.attachments says why), a message that does not fit the context
+(nothing is sent or saved; k3chat.context_fit gives the context and memory that would hold it),
+and --context above the model's max_position_embeddings;
 4 a routed expert could not be read; 5 interrupted (Ctrl-C, SIGTERM, SIGHUP). Every failure
 prints one `k3chat: ...` line saying what happened and whether anything was saved.
 """
@@ -281,6 +283,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _Usage("--resume needs --session")
     if args.resume and args.system is not None:
         raise _Usage("--system starts a new session; it cannot be used with --resume")
+    if getattr(args, "files", None) and args.resume:
+        raise _Usage("--file attaches files to a new message; --resume answers the stored one as it is")
+    _read_prompt(args)
     if args.prompt is not None and args.prompt == "":
         raise _Usage("--prompt is empty")
     if args.lookahead is not None and args.lookahead < 0:
@@ -293,6 +298,43 @@ def _check_args(args: argparse.Namespace) -> None:
         problem = _text_problem(option, text)
         if problem is not None:
             raise _Usage(problem)
+
+
+def _read_prompt(args: argparse.Namespace) -> None:
+    """``args.prompt`` from --prompt-file or standard input (--prompt -), and
+    ``args.attachments`` from each --file: all read and checked before anything is created."""
+    from .attachments import read_attachment, read_text_file
+
+    if getattr(args, "prompt_file", None) is not None:
+        args.prompt = read_text_file(args.prompt_file, "--prompt-file")
+    elif args.prompt == "-":
+        args.prompt = _stdin_prompt()
+    args.attachments = [read_attachment(path) for path in getattr(args, "files", None) or ()]
+
+
+def _stdin_prompt() -> str:
+    if _isatty(sys.stdin):
+        raise _Usage("--prompt - reads the message from standard input, which is a terminal here; pipe it in "
+                     "(k3chat run ... --prompt - < question.txt) or give --prompt-file PATH")
+    try:
+        data = sys.stdin.buffer.read()
+    except (OSError, ValueError, AttributeError) as exc:
+        raise _Usage(f"--prompt -: cannot read standard input: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Usage(f"--prompt -: standard input is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                     f"{exc.start:,}); convert it first (e.g. with iconv)") from None
+    if not text:
+        raise _Usage("--prompt -: standard input was empty; pipe the message in")
+    return text.removeprefix("\ufeff")
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _context(args: argparse.Namespace, model_dir: Path) -> int:
@@ -398,10 +440,19 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
             except (HistoryError, OSError) as exc:
                 return _fail(f"cannot create the session: {exc}")
         return _run_turn(args, settings, store, info, created is not None, system, opened.model,
-                         opened.tokenizer, signals, context)
+                         opened.tokenizer, signals, context, fit=_fit_for(opened))
     finally:
         if created is not None:
             _discard_if_empty(store, created)  # a failure before the first record: no trace
+
+
+def _fit_for(opened: Any) -> Callable[[Any], Any]:
+    """The advice for a message that does not fit, planned as this session's plan was."""
+    from .context_fit import advise
+    plan = opened.plan
+    lookahead = plan.lookahead if plan is not None else 0
+    process = plan.process_bytes if plan is not None else 0
+    return lambda overflow: advise(overflow, opened.model_dir, lookahead=lookahead, process_bytes=process)
 
 
 def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, model: Any,
@@ -428,7 +479,7 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
 
 def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, created: bool,
               system: str | None, model: Any, tokenizer: Any, signals: SignalStops, context: int,
-              conv: Any = None) -> int:
+              conv: Any = None, fit: Callable[[Any], Any] | None = None) -> int:
     from k3engine.model import ExpertReadError
 
     from .conversation import ContextOverflow, ConversationError, TurnFailed
@@ -455,10 +506,16 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
         if args.resume:
             result = _in_worker(lambda: conv.respond(on_event=printer))
         else:
-            result = _in_worker(lambda: conv.send(args.prompt, system=system, on_event=printer))
+            result = _in_worker(lambda: conv.send(args.prompt, system=system, attachments=getattr(args, "attachments", ()),
+                                                  on_event=printer))
     except ContextOverflow as exc:
         payload.update(error=str(exc), prompt_tokens=exc.prompt_tokens, interrupted=False)
-        code = _fail(str(exc))
+        if fit is not None:
+            advice = fit(exc)
+            payload.update(error=advice.message(settings.model), fit=dataclasses.asdict(advice))
+            code = _fail(advice.message(settings.model), EXIT_USAGE)
+        else:
+            code = _fail(str(exc), EXIT_USAGE)
     except TurnFailed as exc:
         result = exc.result
         code = _fail(f"the turn failed: {exc}",

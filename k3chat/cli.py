@@ -70,10 +70,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--demo", action="store_true", help="use the built-in demo model")
     what = r.add_mutually_exclusive_group(required=True)
     what.add_argument("--ids", type=_ids, help="prompt as comma-separated token ids (no tokenizer, no chat format)")
-    what.add_argument("--prompt", help="a chat message; the answer is saved to the session")
+    what.add_argument("--prompt", help="a chat message; the answer is saved to the session ('-': read it from "
+                                       "standard input)")
+    what.add_argument("--prompt-file", metavar="PATH", help="read the chat message from this UTF-8 text file")
     what.add_argument("--resume", action="store_true",
                       help="answer the unanswered last message of --session (after a crash)")
     r.add_argument("--gen", type=_positive, default=None, help="--ids only: tokens to generate (default 16)")
+    r.add_argument("--file", dest="files", action="append", metavar="PATH", default=None,
+                   help="attach this file to the message (repeatable): text, Markdown, source code, CSV/TSV, JSON "
+                        "or PDF, up to 16 MiB each")
     r.add_argument("--system", help="system message (starts a new session)")
     think = r.add_mutually_exclusive_group()
     think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
@@ -198,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     chat_only = {"--system": args.system, "--session": args.session, "--temperature": args.temperature,
                  "--top-p": args.top_p, "--top-k": args.top_k, "--seed": args.seed,
                  "--max-tokens": args.max_tokens, "--thinking-effort": args.thinking_effort,
-                 "--no-think": args.no_think or None, "--context": args.context}
+                 "--no-think": args.no_think or None, "--context": args.context, "--file": args.files}
     given = [name for name, value in chat_only.items() if value is not None]
     if given:
         return usage_error(f"{', '.join(given)} need --prompt (--ids runs raw ids, greedy; use --gen for its length)")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from k3chat import paths, statefile
+from k3chat.attachments import Attachment, model_message
 from k3chat.engine_api import EngineModel, EngineSession
 from k3chat.events import (
     AnswerToken,
@@ -251,6 +252,14 @@ def stop_message(stop: str, generated: int) -> str | None:
     return "the turn failed; what the model said so far was kept, marked interrupted"
 
 
+def user_record(text: str, attachments: Sequence[Attachment] = ()) -> dict[str, Any]:
+    """A new user record: what was typed, and each attachment as the history keeps it."""
+    record: dict[str, Any] = {"role": "user", "content": text}
+    if attachments:
+        record["attachments"] = [a.to_record() for a in attachments]
+    return record
+
+
 def sampler_settings(
     *, sampling: bool, temperature: float, top_p: float, top_k: int, seed: int | None,
     records: Sequence[Mapping[str, Any]] = (),
@@ -441,21 +450,23 @@ class Conversation:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
-    def prompt_ids(self, text: str | None = None) -> list[int]:
-        """The ids of the next prompt (with ``text`` as a new user message), for a context
-        meter or a check before sending. Raises ContextOverflow like send() would."""
-        records = self._records + ([{"role": "user", "content": text}] if text is not None else [])
+    def prompt_ids(self, text: str | None = None, attachments: Sequence[Attachment] = ()) -> list[int]:
+        """The ids of the next prompt (with ``text`` and ``attachments`` as a new user message),
+        for a context meter or a check before sending. Raises ContextOverflow like send() would."""
+        records = self._records + ([user_record(text, attachments)] if text is not None else [])
         prompt, _ = self._encode(records)
         self._check_fits(prompt)
         return prompt
 
-    def send(self, text: str, *, system: str | None = None, on_event: EventHandler = ignore) -> TurnResult | None:
-        """A new user message and its answer. An empty message is ignored (returns None).
+    def send(self, text: str, *, system: str | None = None, attachments: Sequence[Attachment] = (),
+             on_event: EventHandler = ignore) -> TurnResult | None:
+        """A new user message (``text`` with ``attachments``, see k3chat.attachments) and its
+        answer. An empty message without attachments is ignored (returns None).
 
         ``system`` starts an empty conversation with a system message; it is committed with
         the user message, after the overflow check, so a refused first turn leaves no trace.
         """
-        if text == "":
+        if text == "" and not attachments:
             return None
         if self.pending_user:
             self.store.check_idle(self.session_id)  # SessionBusy: that message is being answered elsewhere
@@ -465,7 +476,7 @@ class Conversation:
             if self._records:
                 raise ConversationError("a system message can only start a conversation")
             new.append({"role": "system", "content": system})
-        new.append({"role": "user", "content": text})
+        new.append(user_record(text, attachments))
 
         def commit() -> None:
             for record in new:
@@ -487,17 +498,21 @@ class Conversation:
         return self._turn(self._records[:keep], lambda: self._truncate(keep), on_event)
 
     def edit_last(self, text: str, *, on_event: EventHandler = ignore) -> TurnResult | None:
-        """Replace the last user message (and its answer) with ``text``, then answer it."""
+        """Replace the last user message (and its answer) with ``text``, then answer it. Its
+        attachments stay with it."""
         if text == "":
             return None
         last_user = max((i for i, r in enumerate(self._records) if r.get("role") == "user"), default=None)
         if last_user is None:
             raise ConversationError("there is no message to edit")
-        records = self._records[:last_user] + [{"role": "user", "content": text}]
+        edited = {"role": "user", "content": text}
+        if self._records[last_user].get("attachments"):
+            edited["attachments"] = self._records[last_user]["attachments"]
+        records = self._records[:last_user] + [edited]
 
         def commit() -> None:
             self._truncate(last_user)
-            self._append({"role": "user", "content": text})
+            self._append(dict(edited))
 
         return self._turn(records, commit, on_event)
 
@@ -553,7 +568,8 @@ class Conversation:
     # ------------------------------------------------------------------ prompts
 
     def _render_ids(self, records: Sequence[Mapping[str, Any]], generation: bool) -> list[int]:
-        segments = render(records, thinking=self.thinking, effort=self.effort if self.thinking else None,
+        # Attachments become text before the template sees them (k3chat.attachments).
+        segments = render([model_message(r) for r in records], thinking=self.thinking, effort=self.effort if self.thinking else None,
                           add_generation_prompt=generation)
         return encode(segments, self.tokenizer)
 
@@ -1001,7 +1017,7 @@ class _TurnState:
 
 __all__ = [
     "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
-    "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings",
+    "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings", "user_record",
     "STOPS", "stop_message",
     "Event",
 ]

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from k3chat.conversation import ConversationError, TurnFailed, TurnResult
+from k3chat.attachments import Attachment, model_message
+from k3chat.conversation import ConversationError, TurnFailed, TurnResult, user_record
 from k3chat.events import AnswerToken, EventHandler, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone, ignore
 from k3chat.history import HistoryStore
 from k3chat.runtime import EXIT_RUNTIME, EXIT_USAGE
@@ -259,7 +260,8 @@ def resolve_model(client: RemoteClient) -> str:
 
 
 def _message(record: Mapping[str, Any]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": record["role"], "content": record.get("content", "")}
+    # A user record's attachments go to the server rendered into its text, as the local model reads them.
+    msg: dict[str, Any] = {"role": record["role"], "content": model_message(record).get("content", "")}
     reasoning = record.get("reasoning_content")
     if record["role"] == "assistant" and reasoning:
         msg["reasoning_content"] = reasoning  # vLLM's field name; a template that keeps it reuses the prefix
@@ -409,8 +411,9 @@ class RemoteConversation:
     def close(self) -> None:
         pass  # the client belongs to whoever opened it
 
-    def send(self, text: str, *, system: str | None = None, on_event: EventHandler = ignore) -> TurnResult | None:
-        if text == "":
+    def send(self, text: str, *, system: str | None = None, attachments: Sequence[Attachment] = (),
+             on_event: EventHandler = ignore) -> TurnResult | None:
+        if text == "" and not attachments:
             return None
         if self.pending_user:
             self.store.check_idle(self.session_id)
@@ -420,7 +423,7 @@ class RemoteConversation:
             if self._records:
                 raise ConversationError("a system message can only start a conversation")
             new.append({"role": "system", "content": system})
-        new.append({"role": "user", "content": text})
+        new.append(user_record(text, attachments))
 
         def commit() -> None:
             for record in new:

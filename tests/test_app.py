@@ -403,7 +403,7 @@ def test_context_overflow_keeps_the_text(home: Path, model: Any, tok: Tokenizer,
             await started(pilot)
             await send(pilot, long)
             assert app.chat.prompt.text == long
-            assert "overflow the context" in screen_text(app)
+            assert "does not fit the context" in screen_text(app)
             assert not app.chat.query(UserMessage)
             assert HistoryStore().list() == []  # the refused first message left no session
             assert app.ui_errors == []

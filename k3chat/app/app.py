@@ -40,6 +40,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Input, TextArea
 
+from k3chat.attachments import Attachment, AttachmentError, read_attachment, token_count
 from k3chat.events import AnswerToken, ReasoningToken, Stats
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
 from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
@@ -50,6 +51,7 @@ from k3chat.runtime import AFTER_STEP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, 
 from k3chat.settings import Settings
 
 from .engine import Engine, EngineFactory, open_engine, plan_summary
+from .screens.attach import AttachScreen
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
@@ -209,6 +211,8 @@ class K3ChatApp(App[int]):
         self._job_done.set()
         self._chat: ChatScreen
         self._theme_kept = ""  # the theme in use that needs no saving
+        self._sent_chips: list[tuple[Attachment, int | None]] = []  # the last message's files, until it is taken
+        self.attach_events: list[str] = []  # each file attached or refused (tests wait on it)
 
     # ------------------------------------------------------------------ setup
 
@@ -564,7 +568,8 @@ class K3ChatApp(App[int]):
         return True
 
     async def submit(self, text: str) -> None:
-        """A message from the box (already emptied by it: keys typed since stay there)."""
+        """A message from the box (already emptied by it: keys typed since stay there), with
+        the files attached to it (their chips are cleared, and put back if it is refused)."""
         if not self._can_start():
             self.chat.prompt.restore(text)
             return
@@ -574,7 +579,48 @@ class K3ChatApp(App[int]):
             return
         chat = self.chat
         chat.clear_notice()
-        await self._start_turn("send", text)
+        bar = chat.attachment_bar
+        self._sent_chips = [(chip.attachment, chip.tokens) for chip in bar.chips]
+        await bar.clear()
+        await self._start_turn("send", text, attachments=[a for a, _ in self._sent_chips])
+
+    # ------------------------------------------------------------------ attachments
+
+    def action_attach(self) -> None:
+        if isinstance(self.screen, AttachScreen):
+            return
+        self.push_screen(AttachScreen(Path.cwd()))
+
+    def on_attach_screen_chosen(self, message: AttachScreen.Chosen) -> None:
+        self.run_worker(partial(self._read_attachment, message.path), thread=True, group="attach",
+                        exit_on_error=False, name="attach")
+
+    def _read_attachment(self, path: Path) -> None:
+        """Thread: read and count a chosen file (a PDF or a long file takes a while)."""
+        try:
+            attachment = read_attachment(path)
+        except AttachmentError as exc:
+            self._ui(self._attach_failed, exc.message)
+            return
+        except Exception as exc:  # never a crash: say it
+            log.exception("attachment failed")
+            self._ui(self._attach_failed, f"cannot attach {path}: {type(exc).__name__}: {exc}")
+            return
+        tokenizer = self.tokenizer
+        tokens = token_count(attachment, tokenizer) if tokenizer is not None else None
+        self._ui(self._attached, attachment, tokens)
+
+    async def _attached(self, attachment: Attachment, tokens: int | None) -> None:
+        await self.chat.attachment_bar.add(attachment, tokens)
+        self.chat.clear_notice()
+        note = f" ({'; '.join(attachment.notes)})" if attachment.notes else ""
+        self.say(f"Attached {attachment.name}{note}: it goes with your next message")
+        self.attach_events.append(attachment.name)
+
+    def _attach_failed(self, message: str) -> None:
+        self.chat.show_notice(message, error=True)
+        self.say(message, error=True)
+        self.attach_events.append(message)
 
     async def submit_edit(self, text: str) -> None:
         chat = self.chat
@@ -625,16 +671,18 @@ class K3ChatApp(App[int]):
             return
         self.chat.start_edit(str(users[-1].get("content", "")))
 
-    async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None) -> None:
+    async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None,
+                          attachments: Sequence[Attachment] = ()) -> None:
         self.busy = True
         self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
-        await self.chat.begin_turn(kind, text, thinking=self.thinking)
-        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler), thread=True, group="turn",
-                                            exit_on_error=False, name=f"turn:{kind}")
+        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=[a.to_record() for a in attachments])
+        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler, attachments), thread=True,
+                                            group="turn", exit_on_error=False, name=f"turn:{kind}")
 
-    def _turn_job(self, kind: str, text: str | None, sampler: Any = None) -> None:
+    def _turn_job(self, kind: str, text: str | None, sampler: Any = None,
+                  attachments: Sequence[Attachment] = ()) -> None:
         """Thread: one turn (``sampler``: for this turn only, else the session's). Every outcome
         reaches the UI; nothing is raised from here."""
         created: SessionInfo | None = None
@@ -646,7 +694,8 @@ class K3ChatApp(App[int]):
                 assert engine is not None and text is not None
                 store = HistoryStore(self.store.root, vault=self.store.vault)
                 # a name made from the message is numbered when taken ("hello (2)"): names stay unique
-                created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name,
+                named = text or (attachments[0].name if attachments else "")
+                created = store.create(self.pending_name or session_name(named), model=engine.model_dir.name,
                                        numbered=self.pending_name is None)
                 if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
                     store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
@@ -660,7 +709,7 @@ class K3ChatApp(App[int]):
             if kind == "send":
                 assert text is not None
                 system = self.system_prompt if self.system_prompt.strip() and not conv.records else None
-                conv.send(text, system=system, on_event=emit)
+                conv.send(text, system=system, attachments=attachments, on_event=emit)
             elif kind == "edit":
                 assert text is not None
                 conv.edit_last(text, on_event=emit)
@@ -671,7 +720,7 @@ class K3ChatApp(App[int]):
         except (ContextOverflow, ConversationError) as exc:
             if created is not None:
                 self._drop_created(conv, created)
-            self._ui(self._turn_refused, kind, text, str(exc))
+            self._ui(self._turn_refused, kind, text, self._refusal_text(exc))
         except TurnFailed as exc:
             self._ui(self._turn_error, str(exc))
         except HistoryError as exc:
@@ -737,6 +786,19 @@ class K3ChatApp(App[int]):
         await self._flush_streamed()
         await self.chat.turn_event(event)
 
+    def _refusal_text(self, exc: Exception) -> str:
+        """Thread: why a turn was refused; for a message that does not fit, the context and the
+        memory that would hold it (k3chat.context_fit, as `k3chat run` says it)."""
+        engine = self.engine
+        if not isinstance(exc, ContextOverflow) or engine is None or engine.memory == "remote":
+            return str(exc)
+        from k3chat.context_fit import advise
+        plan = engine.plan
+        advice = advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
+                        process_bytes=plan.process_bytes if plan is not None else 0)
+        return advice.message(engine.model_dir).replace("run again with --context",
+                                                        "start k3chat again with --context")
+
     async def _turn_refused(self, kind: str, text: str | None, message: str) -> None:
         chat = self.chat
         await chat.show_history(self.conv.records if self.conv is not None else [])
@@ -745,6 +807,8 @@ class K3ChatApp(App[int]):
                 chat.start_edit(text)
             else:
                 chat.prompt.restore(text)
+                if self._sent_chips:  # the files go back with the text
+                    await chat.attachment_bar.set_attachments(self._sent_chips)
         chat.show_notice(message, error=True)
         if self.conv is not None:
             chat.status.set_context(self._held(self.conv), self.conv.context)
@@ -1166,6 +1230,8 @@ class K3ChatApp(App[int]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
+        yield SystemCommand("Attach file...", "Add a file to the next message: text, Markdown, code, CSV/TSV, JSON "
+                            "or PDF (ctrl+l)", self.action_attach)
         yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
         yield SystemCommand("Help", "Every key (f1)", self.action_help)
         yield SystemCommand("Session settings", "System prompt, sampling, temperature, top-p, top-k, seed, max tokens "

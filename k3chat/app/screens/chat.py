@@ -20,6 +20,7 @@ from textual.widgets import Footer, Markdown, ProgressBar, Static
 from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone
 
 from ..text import literal
+from ..widgets.attachments import AttachmentBar
 from ..widgets.prompt import PromptInput
 from ..widgets.reasoning import ReasoningBlock
 from ..widgets.status import StatusBar
@@ -49,6 +50,7 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+s", "app.sessions", "Sessions", priority=True, id="sessions"),
         Binding("ctrl+n", "app.new_session", "New", show=False, priority=True, id="new_session"),
         Binding("ctrl+o", "app.session_settings", "Settings", priority=True, id="settings"),
+        Binding("ctrl+l", "app.attach", "Attach", priority=True, id="attach"),
         Binding("ctrl+t", "toggle_reasoning", "Fold block", priority=True, id="toggle_reasoning"),
         Binding("alt+up", "block(-1)", "Previous block", show=False, priority=True, id="previous_block"),
         Binding("alt+down", "block(1)", "Next block", show=False, priority=True, id="next_block"),
@@ -81,6 +83,7 @@ class ChatScreen(Screen[None]):
             yield Static("", id="progress-text", markup=False)
             yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="progress-bar")
         yield Static("", id="notice", markup=False)
+        yield AttachmentBar(id="attachments")
         with Horizontal(id="prompt-row"):
             yield Static("\u276f", id="prompt-mark", markup=False)
             yield PromptInput(id="prompt", placeholder="Message K3 (enter sends; alt+enter or ctrl+j: new line)")
@@ -96,6 +99,10 @@ class ChatScreen(Screen[None]):
     @property
     def prompt(self) -> PromptInput:
         return self.query_one("#prompt", PromptInput)
+
+    @property
+    def attachment_bar(self) -> AttachmentBar:
+        return self.query_one("#attachments", AttachmentBar)
 
     @property
     def transcript(self) -> Transcript:
@@ -149,7 +156,8 @@ class ChatScreen(Screen[None]):
 
     # ------------------------------------------------------------------ a turn
 
-    async def begin_turn(self, kind: str, text: str | None, *, thinking: bool) -> None:
+    async def begin_turn(self, kind: str, text: str | None, *, thinking: bool,
+                         attachments: Sequence[Mapping[str, Any]] = ()) -> None:
         """Draw what the turn will change before it runs (undone by show_history if refused)."""
         transcript = self.transcript
         if kind == "regenerate":
@@ -164,7 +172,7 @@ class ChatScreen(Screen[None]):
                 for widget in siblings[siblings.index(last):]:
                     await widget.remove()
         if kind in ("send", "edit") and text is not None:
-            await transcript.mount(UserMessage(text))
+            await transcript.mount(UserMessage(text, attachments=attachments))
         self.turn = AssistantMessage(thinking=thinking, mode=self.k3.reasoning_display, markdown=self.k3.markdown,
                                      live=True)
         await transcript.mount(self.turn)
@@ -256,7 +264,7 @@ class ChatScreen(Screen[None]):
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
-        if event.text == "":
+        if event.text == "" and (self.editing or not self.attachment_bar.attachments):
             return
         if self.editing:
             await self.k3.submit_edit(event.text)

@@ -15,6 +15,8 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Writing", (
         ("enter", "send the message"),
         ("shift+enter, ctrl+j, alt+enter", "new line"),
+        ("ctrl+l", "attach a file to the next message (a directory tree and a path box; several files per "
+                   "message; a chip shows each, delete or enter on a chip removes it)"),
         ("ctrl+e", "edit your last message and resend it (escape cancels)"),
         ("ctrl+r", "regenerate the last answer with a new seed, so it can differ (a greedy session samples "
                    "that one answer; or answer an unanswered message)"),
@@ -49,7 +51,7 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 ABOUT = ("k3chat runs Kimi K3 on this machine. It never uses the network: nothing you type "
          "or the model writes leaves it. Sessions are saved as you go (files readable only by you). "
          "Keys can be changed in config.toml, e.g. [keys] quit = \"ctrl+x\" (names: interrupt, quit, help, "
-         "regenerate, edit_last, sessions, new_session, settings, toggle_reasoning, previous_block, next_block).")
+         "regenerate, edit_last, sessions, new_session, settings, attach, toggle_reasoning, previous_block, next_block).")
 
 
 def help_table() -> Table:

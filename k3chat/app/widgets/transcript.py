@@ -8,7 +8,7 @@ link detection, links are never opened, and every piece of text is neutralised f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -19,9 +19,11 @@ from textual.content import Content
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
+from k3chat.attachments import Attachment
 from k3chat.conversation import stop_message
 
-from ..text import literal, neutralise
+from ..text import literal, neutralise, one_line
+from .attachments import size_text
 from .reasoning import ReasoningBlock
 
 
@@ -60,9 +62,10 @@ class _Block(Widget, can_focus=True):
 class UserMessage(_Block):
     what = "message"
 
-    def __init__(self, text: str, *, pending: bool = False) -> None:
+    def __init__(self, text: str, *, pending: bool = False, attachments: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(classes="message user")
         self._text = text
+        self.attachments = list(attachments)  # history entries: shown by name, never their whole text
         self.set_class(pending, "-pending")
 
     @property
@@ -71,7 +74,17 @@ class UserMessage(_Block):
 
     def compose(self) -> ComposeResult:
         yield Static("You", classes="speaker", markup=False)
-        yield Static(literal(self._text), classes="body", markup=False)
+        for entry in self.attachments:
+            yield Static(literal(attachment_line(entry)), classes="attachment-line", markup=False)
+        if self._text or not self.attachments:
+            yield Static(literal(self._text), classes="body", markup=False)
+
+
+def attachment_line(entry: Mapping[str, Any]) -> str:
+    """One attached file in the transcript: name, kind, size and its notes, on one line."""
+    attachment = Attachment.from_record(entry)
+    notes = f" \u00b7 {'; '.join(attachment.notes)}" if attachment.notes else ""
+    return one_line(f"\U0001f4ce {attachment.name} \u00b7 {attachment.label} \u00b7 {size_text(attachment.size)}{notes}", 200)
 
 
 class AnswerBlock(_Block):
@@ -251,7 +264,7 @@ class Transcript(VerticalScroll, can_focus=False):
         for record in records:
             role = record.get("role")
             if role == "user":
-                widgets.append(UserMessage(str(record.get("content", ""))))
+                widgets.append(UserMessage(str(record.get("content", "")), attachments=record.get("attachments") or ()))
             elif role == "assistant":
                 widgets.append(AssistantMessage(thinking="reasoning_content" in record, mode=mode,
                                                 markdown=markdown, record=record, tokenizer=tokenizer))

@@ -1,0 +1,133 @@
+"""Attaching files in the app (Pilot, tiny fixture): the picker (directory tree and path box),
+the palette entry, chips with name, size and token count, removing one, a refused file shown
+in the app, and a message sent with its attachments as `k3chat run --file` sends it."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3chat.history import HistoryStore
+from k3chat.template import encode, render
+from k3chat.tokenizer import Tokenizer
+
+pytest.importorskip("textual")
+
+from textual.widgets import DirectoryTree, Input  # noqa: E402
+
+from k3chat.app.screens.attach import AttachScreen  # noqa: E402
+from k3chat.app.widgets.attachments import AttachmentChip  # noqa: E402
+from k3chat.app.widgets.transcript import UserMessage  # noqa: E402
+from test_app import SIZE, Script, answer, home, make_app, model, run, screen_text, started, tok, until  # noqa: E402,F401
+
+CSV = b"region,total\nnorth,1204\n"
+
+
+def block(name: str, label: str, data: bytes, n: int = 1, of: int = 1) -> str:
+    """One attachment as the model reads it, written out by hand (k3chat.attachments' form)."""
+    which = f'attachment {n} of {of}: "{name}"'
+    return f"==== {which} ({label}, {len(data)} bytes) ====\n{data.decode()}\n==== end of {which} ===="
+
+
+async def pick_by_path(pilot: Any, path: str) -> None:
+    app = pilot.app
+    before = len(app.attach_events)
+    await pilot.press("ctrl+l")
+    await until(pilot, lambda: isinstance(app.screen, AttachScreen), "the picker")
+    box = app.screen.query_one("#attach-path", Input)
+    box.focus()
+    box.value = path
+    await pilot.press("enter")
+    await until(pilot, lambda: len(app.attach_events) > before, f"{path} to be attached or refused")
+    await pilot.pause(0.05)
+
+
+def test_picker_chips_and_send(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    cwd = home.parent  # the home fixture made it the working directory
+    (cwd / "q3.csv").write_bytes(CSV)
+    (cwd / "notes.txt").write_bytes(b"North is ours.")
+    (cwd / "photo.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " Sum.", " 1204.")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Attach file..." in titles
+            # The tree starts at the working directory: enter on a file attaches it.
+            await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, AttachScreen), "the picker")
+            tree = app.screen.query_one(DirectoryTree)
+            assert Path(tree.path) == cwd
+            await until(pilot, lambda: any(str(n.label) == "notes.txt" for n in tree.root.children), "the tree")
+            line = next(n for n in tree.root.children if str(n.label) == "notes.txt").line
+            assert isinstance(app.focused, Input)  # the path box first; tab reaches the tree
+            await pilot.press("shift+tab")
+            assert app.focused is tree
+            tree.cursor_line = line
+            await pilot.press("enter")
+            await until(pilot, lambda: app.attach_events == ["notes.txt"], "notes.txt to be attached")
+            assert not isinstance(app.screen, AttachScreen)
+            # The path box, relative to the working directory.
+            await pick_by_path(pilot, "q3.csv")
+            chips = app.chat.query(AttachmentChip)
+            assert [c.attachment.name for c in chips] == ["notes.txt", "q3.csv"]
+            csv_tokens = len(tok.encode_text(block("q3.csv", "CSV", CSV)))
+            assert chips[1].tokens == csv_tokens
+            text = screen_text(app)
+            assert f"q3.csv \u00b7 24 B \u00b7 {csv_tokens:,} tokens" in text and "notes.txt \u00b7 14 B" in text
+            # A binary file is refused in the app, with the reason; nothing crashes.
+            await pick_by_path(pilot, "photo.bin")
+            assert "NUL byte at offset 8" in screen_text(app)
+            assert len(app.chat.query(AttachmentChip)) == 2 and app.ui_errors == []
+            # Remove the first chip from the keyboard.
+            app.chat.query(AttachmentChip).first().focus()
+            await pilot.press("delete")
+            await pilot.pause(0.05)
+            assert [c.attachment.name for c in app.chat.query(AttachmentChip)] == ["q3.csv"]
+            # Send: the files go with the message; the transcript shows them by name only.
+            app.chat.prompt.set_text("North total?")
+            app.chat.prompt.focus()
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the turn to end")
+            await pilot.pause(0.05)
+            assert not app.chat.query(AttachmentChip) and app.ui_errors == []
+            user = app.chat.query_one(UserMessage)
+            assert [a["name"] for a in user.attachments] == ["q3.csv"]
+            shown = screen_text(app)
+            assert "\U0001f4ce q3.csv \u00b7 CSV \u00b7 24 B" in shown and "north,1204" not in shown
+            records = HistoryStore().load(app.conv.session_id).records
+            assert records[0]["content"] == "North total?"
+            assert [(a["name"], a["text"]) for a in records[0]["attachments"]] == [("q3.csv", CSV.decode())]
+            # What the model read is the documented form, as `run --file` renders it.
+            seen = [{"role": "user", "content": block("q3.csv", "CSV", CSV) + "\n\nNorth total?"}, records[1]]
+            assert app.conv.history_tokens() == len(encode(render(seen, thinking=True, effort="high",
+                                                                  add_generation_prompt=False), tok))
+
+    run(scenario)
+
+
+def test_a_refused_message_keeps_its_chips(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    cwd = home.parent
+    (cwd / "long.txt").write_text("the pump log reads 7 bar\n" * 40)
+    app = make_app(model, tok, tiny_dir, Script(), max_tokens=64, context=200)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pick_by_path(pilot, "long.txt")
+            app.chat.prompt.set_text("Summarise")
+            app.chat.prompt.focus()
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the refusal")
+            await pilot.pause(0.05)
+            text = screen_text(app)
+            assert "does not fit the context" in text and "--context 1024" in text
+            assert [c.attachment.name for c in app.chat.query(AttachmentChip)] == ["long.txt"]
+            assert app.chat.prompt.text == "Summarise"
+            assert HistoryStore().list() == [] and app.ui_errors == []
+
+    run(scenario)
