@@ -801,7 +801,9 @@ class Conversation:
             # regenerate and edit-last cheap; with nothing before this message, the prompt
             # itself, so a state sync after the answer restarts there rather than at 0.
             at_boundary = False
-            if reused >= boundary - 1 and reused > 0:
+            # Past the boundary (a stopped prefill read part of this message), the snapshot
+            # waits for the whole prompt: a state sync then never re-reads the message.
+            if boundary - 1 <= reused <= boundary and reused > 0:
                 at_boundary = self._snapshot_here()  # this turn's start (the end of the last)
             elif boundary > reused:
                 self._prefill(prompt[reused:boundary], meter)

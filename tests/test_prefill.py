@@ -279,3 +279,129 @@ def test_a_follow_up_about_the_same_document_prefills_only_the_new_tokens(
     held = encode(render(later.records, thinking=False, effort=None, add_generation_prompt=False), tok)
     r3 = later.send("Thanks")
     assert r3 is not None and r3.reuse_source == "state_file" and r3.prefilled_tokens == len(p3) - len(held)
+
+
+# --------------------------------------------------------------------------- run, as a subprocess
+
+# Slows every prefill piece down (before the engine is called) and says when one starts, so
+# that a signal sent then lands while the first piece is computed.
+DRIVER = """
+import sys, time
+from k3engine.model import Session
+real = Session.feed
+delay = float(sys.argv[1])
+def feed(self, ids, **kw):
+    if len(ids) > 1:
+        print("piece", file=sys.stderr, flush=True)
+        time.sleep(delay)
+    return real(self, ids, **kw)
+Session.feed = feed
+from k3chat.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _start(tmp_path: Path, home: Path, delay: float, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(delay), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "K3CHAT_HOME": str(home)},
+                            cwd=tmp_path)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    return proc, lines
+
+
+def _wait_for(proc: subprocess.Popen[str], lines: queue.Queue[str], needle: str, seconds: float = 60) -> list[str]:
+    deadline = time.monotonic() + seconds
+    seen: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if needle in line:
+            return seen
+    proc.kill()
+    raise AssertionError(f"no {needle!r} on stderr; it says: {''.join(seen)[-2000:]!r}")
+
+
+def _end(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> str:
+    proc.wait(timeout=120)
+    time.sleep(0.05)
+    out = []
+    while not lines.empty():
+        out.append(lines.get())
+    return "".join(out)
+
+
+def _run(tiny_dir: Path, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "k3chat", "run", str(tiny_dir), "--no-think", "--max-tokens", "4",
+                           "--threads", "1", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "K3CHAT_HOME": str(home)})
+
+
+def _stopped_run(tiny_dir: Path, tmp_path: Path, home: Path, sig: signal.Signals) -> tuple[dict[str, Any], str]:
+    out = tmp_path / "stopped.json"
+    proc, lines = _start(tmp_path, home, 0.5, "run", str(tiny_dir), "--prompt", DOCUMENT, "--no-think",
+                         "--max-tokens", "4", "--threads", "1", "--session", "lease", "--json", str(out))
+    first = _wait_for(proc, lines, "piece")  # after the first progress line
+    assert any("k3chat: prefill 0/" in line for line in first), first
+    proc.send_signal(sig)
+    err = _end(proc, lines)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    return json.loads(out.read_text()), err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_prefill_in_run_exits_5_keeping_the_message_and_the_prefix(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
+    home = tmp_path / "home"
+    res, err = _stopped_run(tiny_dir, tmp_path, home, sig)
+    piece = 64  # the plan holds every weight of the tiny fixture: pieces of RESIDENT_PIECE
+    assert res["pending"] is True and res["stop"] == "cancelled" and res["exit_code"] == EXIT_INTERRUPTED
+    assert res["prefilled_tokens"] % piece == 0 and 0 < res["prefilled_tokens"] < res["prompt_tokens"]
+    assert res["generated_ids"] == [] and res["state_saved"] is True and res["prefill_seconds"] > 0
+    assert "stopping after the chunk of the prompt in flight and saving what was read" in err
+    assert "prefill stopped:" in err and f"--session {res['session']} --resume" in err and "Traceback" not in err
+    monkeypatch.setenv("K3CHAT_HOME", str(home))
+    records = HistoryStore().load(res["session"]).records
+    assert [(r["role"], r["content"]) for r in records] == [("user", DOCUMENT)]  # kept, not yet answered
+    from k3chat.conversation import model_fingerprint_for
+    from k3engine.model import decode_state
+    sf = statefile.load_state(state_path(res["session"]), fingerprint=model_fingerprint_for(tiny_dir))
+    p = prompt_ids(Tokenizer.from_dir(tiny_dir), [{"role": "user", "content": DOCUMENT}])
+    assert len(p) == res["prompt_tokens"]
+    assert sf.n_tokens == res["prefilled_tokens"] and list(decode_state(sf.payload).ids) == p[: sf.n_tokens]
+
+
+def test_run_resume_after_a_stopped_prefill_feeds_only_the_rest_and_answers_bit_for_bit(
+        tiny_dir: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    stopped, _ = _stopped_run(tiny_dir, tmp_path, home, signal.SIGINT)
+    held = stopped["prefilled_tokens"]
+    resumed = _run(tiny_dir, home, "--session", "lease", "--resume", "--json", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == EXIT_OK, resumed.stderr
+    res = json.loads((tmp_path / "resumed.json").read_text())
+    assert (res["reuse_source"], res["reused_tokens"]) == ("state_file", held)
+    assert res["prefilled_tokens"] == res["prompt_tokens"] - held == stopped["prompt_tokens"] - held
+    # Counted by the engine (before the state sync): the rest of the prompt and the decode steps.
+    decode_feeds = len(res["generated_ids"]) - 1
+    assert res["stats"]["tokens_fed"] == res["prefilled_tokens"] + decode_feeds
+    # The answer was cut at the limit, so the state is lined up with the stored text: from a
+    # snapshot after the whole prompt, never by reading the document again.
+    assert 0 < res["sync_tokens"] <= len(res["generated_ids"]) + 8
+    # The answer equals an uninterrupted run's (greedy), bit for bit.
+    whole = _run(tiny_dir, tmp_path / "other", "--prompt", DOCUMENT, "--json", str(tmp_path / "whole.json"))
+    assert whole.returncode == EXIT_OK, whole.stderr
+    ref = json.loads((tmp_path / "whole.json").read_text())
+    assert ref["reused_tokens"] == 0 and ref["generated_ids"] == res["generated_ids"]
+    # A follow-up about the document reads only the new message (from the saved state).
+    follow = _run(tiny_dir, home, "--session", "lease", "--prompt", "Who pays?", "--json", str(tmp_path / "f.json"))
+    assert follow.returncode == EXIT_OK, follow.stderr
+    f = json.loads((tmp_path / "f.json").read_text())
+    assert f["reuse_source"] == "state_file" and f["reused_tokens"] > res["prompt_tokens"]
+    assert f["prefilled_tokens"] == f["prompt_tokens"] - f["reused_tokens"] < 40
