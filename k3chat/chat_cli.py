@@ -4,6 +4,11 @@ Output of `run --prompt`: reasoning and answer on standard output under their ow
 streamed; status lines (session, token counts, notices) on standard error, so
 `k3chat run M --prompt Q --no-think > answer.txt` keeps only the answer and its header.
 
+Prefill progress goes to standard error (see _Printer). Ctrl-C (or SIGTERM/SIGHUP) while the
+prompt is read stops at the next chunk boundary: no answer is stored, the message stays in the
+session unanswered, the engine state read so far is saved, and `--session S --resume` reads
+only the rest; exit 5.
+
 Ctrl-C (or SIGTERM/SIGHUP): the first lets the step in flight finish, saves what was
 generated (marked interrupted) and exits 5. A second aborts the engine step in flight (between
 two layers), still saves what was generated (parsed leniently, marked interrupted), skips the
