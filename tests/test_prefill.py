@@ -28,7 +28,7 @@ from k3chat.history import HistoryStore
 from k3chat.progress import PrefillMeter, progress_bar, progress_line
 from k3chat.template import encode, render
 from k3chat.tokenizer import Tokenizer
-from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME
+from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK
 from k3engine.model import Model, Session, StreamOptions
 
 PIECE = 16
