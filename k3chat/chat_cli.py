@@ -4,6 +4,11 @@ Output of `run --prompt`: reasoning and answer on standard output under their ow
 streamed; status lines (session, token counts, notices) on standard error, so
 `k3chat run M --prompt Q --no-think > answer.txt` keeps only the answer and its header.
 
+Prefill progress goes to standard error (see _Printer). Ctrl-C (or SIGTERM/SIGHUP) while the
+prompt is read stops at the next chunk boundary: no answer is stored, the message stays in the
+session unanswered, the engine state read so far is saved, and `--session S --resume` reads
+only the rest; exit 5.
+
 Ctrl-C (or SIGTERM/SIGHUP): the first lets the step in flight finish, saves what was
 generated (marked interrupted) and exits 5. A second aborts the engine step in flight (between
 two layers), still saves what was generated (parsed leniently, marked interrupted), skips the
@@ -39,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .display import for_terminal, json_safe
-from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
+from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, PrefillProgress, ReasoningToken
 from .history import (AmbiguousSession, HistoryError, HistoryStore, NameTaken, SessionBusy, SessionExists,
                       SessionInfo, display_name, open_store)
 from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
@@ -199,14 +204,57 @@ def _in_worker(fn: Callable[[], Any]) -> Any:
 # --------------------------------------------------------------------------- output
 
 
-class _Printer:
-    """Streams a turn: text to stdout under headers, status to stderr."""
+# Without a terminal, a prefill progress line at most this often (seconds), beside the
+# first and the last: a log of an hour's prefill stays a few hundred lines.
+LOG_PROGRESS_EVERY = 10.0
 
-    def __init__(self, session: SessionInfo) -> None:
+
+class _Printer:
+    """Streams a turn: text to stdout under headers, status to stderr.
+
+    Prefill progress goes to stderr: on a terminal one line redrawn in place; otherwise (a
+    log, a pipe) a line when the prefill starts, every LOG_PROGRESS_EVERY seconds and when
+    it ends or stops."""
+
+    def __init__(self, session: SessionInfo, signals: SignalStops | None = None) -> None:
         self.session = session
+        self.signals = signals
         self._at_line_start = True
         self._announced = False
         self._stdout_gone = False
+        self._progress_open = False  # a redrawn progress line is on the terminal, unfinished
+        self._progress_logged: float | None = None
+        try:
+            self._tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            self._tty = False
+
+    def _progress(self, event: PrefillProgress) -> None:
+        from .progress import progress_bar, progress_line
+
+        last = event.done >= event.total
+        if self._tty:
+            text = f"k3chat: {progress_line(event)} {progress_bar(event)}"
+            try:
+                sys.stderr.write("\r" + text + "\x1b[K" + ("\n" if last else ""))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            self._progress_open = not last
+            return
+        logged = self._progress_logged
+        if last or logged is None or event.seconds - logged >= LOG_PROGRESS_EVERY or event.done == 0:
+            self._progress_logged = event.seconds
+            _err(progress_line(event))
+
+    def _end_progress(self) -> None:
+        """Other stderr output follows: finish a redrawn progress line first."""
+        if self._progress_open:
+            self._progress_open = False
+            try:
+                sys.stderr.write("\n")
+            except (OSError, ValueError):
+                pass
 
     def _out(self, text: str) -> None:
         text = for_terminal(text)  # per character, so each streamed piece is safe alone
@@ -233,11 +281,19 @@ class _Printer:
         self._out(f"--- {title} ---\n")
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, PrefillProgress):
+            if self.signals is not None:  # what a first Ctrl-C lets finish, said when it comes
+                self.signals.step, self.signals.what = "the chunk of the prompt in flight", "read"
+            self._progress(event)
+            return
+        self._end_progress()
         if isinstance(event, Prefill):
             where = f" (from {event.source.replace('_', ' ')})" if event.source else ""
             _err(f"session {self.session.name!r} ({self.session.id}): prompt {event.prompt_tokens} tokens, "
                  f"reused {event.reused_tokens}{where}, prefilling {event.prefilled_tokens}")
         elif isinstance(event, PhaseChanged):
+            if event.phase != "prefill" and self.signals is not None:
+                self.signals.step, self.signals.what = "the current step", "generated"
             if event.phase in ("reasoning", "answer"):
                 if not self._announced:
                     self._announced = True
@@ -495,7 +551,7 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
     if signals.requested.is_set():  # before anything was committed: leave no trace
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
     signals.policy.bind(after_step=conv.cancel, abort_step=conv.abort)
-    printer = _Printer(info)
+    printer = _Printer(info, signals)
     payload: dict[str, Any] = {"session": info.id, "session_name": info.name,
                                "model_dir": None if settings.model is None else str(settings.model)}
     if settings.remote is not None:
@@ -618,6 +674,15 @@ def _remote_turn(args: argparse.Namespace, settings: Any, signals: SignalStops, 
 
 
 def _summary(result: Any, info: SessionInfo) -> None:
+    if getattr(result, "pending", False):
+        rate = ""
+        if result.prefill_seconds > 0 and result.prefilled_tokens:
+            rate = f" in {result.prefill_seconds:.1f} s ({result.prefilled_tokens / result.prefill_seconds:.0f} tok/s)"
+        held = result.reused_tokens + result.prefilled_tokens
+        _err(f"prefill stopped: {result.prefilled_tokens:,} prompt tokens read{rate}, {held:,} of "
+             f"{result.prompt_tokens:,} held; the message is saved unanswered in session {info.name!r} "
+             f"(continue with --session {info.id} --resume)")
+        return
     speed = ""
     if result.decode_seconds > 0 and result.generated_tokens > 1:
         speed = f" ({(result.generated_tokens - 1) / result.decode_seconds:.1f} tokens/s)"

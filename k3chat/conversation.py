@@ -49,6 +49,7 @@ from k3chat.events import (
     ignore,
 )
 from k3chat.history import STOPS, HistoryStore
+from k3chat.progress import PrefillMeter
 from k3chat.sampler import Sampler, SamplerSettings
 from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
 from k3chat.tokenizer import Tokenizer
@@ -67,6 +68,11 @@ STATE_SUFFIX = ".k3state"
 # Bumped when the engine's exported state layout changes (native/k3_state.c KS_VERSION):
 # part of the fingerprint, so an old state file is refused by reason rather than by luck.
 ENGINE_STATE_LAYOUT = b"k3-engine-state:K3S1:v1"
+# Prompt tokens per engine call while prefilling when every weight is held (trunk resident,
+# every routed expert fits the cache): a piece smaller than the engine's chunk then reads
+# nothing twice, and a long prompt reports progress and can stop this often. Otherwise a
+# piece is the engine's own chunk, so each distinct expert is still read once per chunk.
+RESIDENT_PIECE = 64
 
 
 # --------------------------------------------------------------------------- errors
@@ -89,6 +95,10 @@ class ContextOverflow(ConversationError):
             f"the conversation would overflow the context: {prompt_tokens} prompt tokens + "
             f"{max_tokens} for the answer + 1{extra} > {context} positions; the history was not changed"
         )
+
+
+class _PrefillStopped(Exception):
+    """cancel() seen between two prefill pieces: the state holds every piece fed so far."""
 
 
 class TurnFailed(ConversationError):
@@ -129,6 +139,9 @@ class TurnResult:
     sync_tokens: int = 0  # fed after the turn to line the state up with the stored text
     state_saved: bool = False
     engine: dict[str, int] = field(default_factory=dict)
+    # Stopped while the prompt was read: no answer was stored, the user message waits for
+    # respond(); prefilled_tokens says how much of it was read this time.
+    pending: bool = False
 
     @property
     def generated_tokens(self) -> int:
@@ -157,6 +170,7 @@ class TurnResult:
             "saved": self.saved,
             "sync_tokens": self.sync_tokens,
             "state_saved": self.state_saved,
+            "pending": self.pending,
             "stats": dict(self.engine),
         }
 
@@ -226,6 +240,31 @@ def delete_state(session_id: str) -> bool:
 def sweep_state_temps() -> list[Path]:
     """Remove state-file temp copies left by processes that died while saving."""
     return paths.sweep_temps(paths.state_dir() / "sessions")
+
+
+def engine_prefill_piece(model: EngineModel) -> int | None:
+    """Prompt tokens per engine call while prefilling (see RESIDENT_PIECE); None: all at once
+    (an engine that does not say its chunk)."""
+    streaming = getattr(model, "streaming", None)  # k3engine's StreamOptions; not part of the seam
+    chunk = getattr(streaming, "prefill_chunk", None)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        return None
+    return min(chunk, RESIDENT_PIECE) if _holds_every_weight(model, streaming) else chunk
+
+
+def _holds_every_weight(model: EngineModel, streaming: object) -> bool:
+    if getattr(streaming, "trunk_stream", True):
+        return False
+    config = model.config
+    moe_layers = getattr(config, "moe_layers", None)
+    n_experts = getattr(config, "n_experts", None)
+    if not isinstance(moe_layers, tuple) or not isinstance(n_experts, int):
+        return False
+    try:
+        slots = int(model.stats().get("expert_slots", 0))
+    except Exception:
+        return False
+    return slots >= len(moe_layers) * n_experts
 
 
 def default_context(model_dir: str | Path | None) -> int:
@@ -334,6 +373,7 @@ class Conversation:
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         stats_every: int = 8,
         sampler_factory: Callable[[SamplerSettings, int], _SamplerLike] = Sampler,
+        prefill_piece: int | None = None,  # tokens per engine call in a prefill; None: engine_prefill_piece
     ) -> None:
         tokenizer.engine_vocab_check(model.config.vocab)
         if max_tokens < 1:
@@ -365,6 +405,9 @@ class Conversation:
         self.max_snapshots = max(0, max_snapshots)
         self.stats_every = max(1, stats_every)
         self._sampler_factory = sampler_factory
+        if prefill_piece is not None and prefill_piece < 1:
+            raise ValueError(f"prefill_piece must be >= 1 token, got {prefill_piece}")
+        self.prefill_piece = prefill_piece if prefill_piece is not None else engine_prefill_piece(model)
         loaded = store.load(session_id)
         self._records: list[dict[str, Any]] = list(loaded.records)
         self.load_problems: list[str] = list(loaded.problems)
@@ -417,7 +460,8 @@ class Conversation:
 
     @property
     def pending_user(self) -> bool:
-        """The history ends with an unanswered user message (after a crash): respond()."""
+        """The history ends with an unanswered user message (after a crash, or a prefill that
+        was stopped): respond() answers it, reusing what a stopped prefill read."""
         return bool(self._records) and self._records[-1].get("role") == "user"
 
     @property
@@ -428,11 +472,13 @@ class Conversation:
     def cancel(self) -> None:
         """Stop the turn in flight after the step in flight (thread-safe; a signal handler may
         call it). The partial answer is kept and the state stays reusable. During a prefill
-        (or the state sync after a turn) the engine may abort between layers instead; that
-        costs a re-prefill next time, nothing else."""
+        the step is one piece of the prompt (prefill_piece tokens): the prefill stops at the
+        next piece boundary, no answer is stored and the state read so far is saved, so
+        respond() continues from there. During the state sync after a turn the engine may
+        abort between layers instead; that costs a re-prefill next time, nothing else."""
         self._cancel.set()
         flag = self._engine_cancel
-        if flag is not None and self._phase != "decode":
+        if flag is not None and self._phase not in ("decode", "prefill"):
             flag.set()
 
     def abort(self) -> None:
@@ -529,7 +575,7 @@ class Conversation:
 
         if not self.state_files or self._session is None:
             return None
-        rendered = self._render_ids(self._records, False)
+        rendered = self._history_ids()
         live = self._live_usable() and bool(self._fed) and _is_prefix(self._fed or [], rendered)
         snaps = [s for s in self._snaps if _is_prefix(s.ids, rendered)]
         best = max(snaps, key=lambda s: len(s.ids), default=None)
@@ -572,6 +618,12 @@ class Conversation:
         segments = render([model_message(r) for r in records], thinking=self.thinking, effort=self.effort if self.thinking else None,
                           add_generation_prompt=generation)
         return encode(segments, self.tokenizer)
+
+    def _history_ids(self) -> list[int]:
+        """What a saved state must begin with: the stored history as the model reads it; for
+        an unanswered last message, the prompt that answers it (a stopped prefill may hold
+        part of its generation prompt)."""
+        return self._render_ids(self._records, self.pending_user)
 
     def _encode(self, records: Sequence[Mapping[str, Any]]) -> tuple[list[int], int]:
         """(P, |B|): the prompt, and the length of its part before the last user message
@@ -701,6 +753,20 @@ class Conversation:
         self._fed.extend(int(i) for i in ids)
         return logits
 
+    def _prefill(self, ids: Sequence[int], meter: PrefillMeter) -> Any:
+        """Feed a prompt tail in pieces of prefill_piece tokens, counted by ``meter``. A
+        cancel() seen between two pieces raises _PrefillStopped with the state intact (it
+        holds every piece fed); the output bits do not depend on the piece size."""
+        piece = self.prefill_piece or len(ids)
+        logits: Any = None
+        for start in range(0, len(ids), piece):
+            if self._cancel.is_set():
+                raise _PrefillStopped
+            part = ids[start:start + piece]
+            logits = self._feed(part, cancellable=True)
+            meter.advance(len(part))
+        return logits
+
     # ------------------------------------------------------------------ one turn
 
     def _turn(self, records: list[dict[str, Any]], commit: Callable[[], None], on_event: EventHandler) -> TurnResult:
@@ -744,22 +810,26 @@ class Conversation:
         emit(Prefill(len(prompt), reused, len(prompt) - reused, source))
         emit(PhaseChanged("prefill"))
         t0 = time.perf_counter()
+        meter = PrefillMeter(len(prompt) - reused, emit)
+        meter.start()
         try:
             # One snapshot per turn (the plan budgets one): the turn boundary, which makes
             # regenerate and edit-last cheap; with nothing before this message, the prompt
             # itself, so a state sync after the answer restarts there rather than at 0.
             at_boundary = False
-            if reused >= boundary - 1 and reused > 0:
+            # Past the boundary (a stopped prefill read part of this message), the snapshot
+            # waits for the whole prompt: a state sync then never re-reads the message.
+            if boundary - 1 <= reused <= boundary and reused > 0:
                 at_boundary = self._snapshot_here()  # this turn's start (the end of the last)
             elif boundary > reused:
-                self._feed(prompt[reused:boundary], cancellable=True)
+                self._prefill(prompt[reused:boundary], meter)
                 at_boundary = self._snapshot_here()
-            logits = self._feed(prompt[len(self._fed or []):], cancellable=True)
+            logits = self._prefill(prompt[len(self._fed or []):], meter)
             if not at_boundary:
                 self._snapshot_here()
-        except Cancelled:
+        except (_PrefillStopped, Cancelled):  # Cancelled: abort() stopped the piece in flight
             st.prefill_s = time.perf_counter() - t0
-            return self._finish(st, [], "cancelled", emit)
+            return self._prefill_stopped(st, meter, emit)
         except (EngineError, MemoryError) as exc:
             st.prefill_s = time.perf_counter() - t0
             raise self._failed(st, [], exc, emit) from exc
@@ -898,6 +968,45 @@ class Conversation:
         emit(PhaseChanged("done"))
         emit(TurnDone(result))
         return result
+
+    def _prefill_stopped(self, st: _TurnState, meter: PrefillMeter, emit: EventHandler) -> TurnResult:
+        """Stopped while the prompt was read: no answer is stored, so the user message stays
+        unanswered (pending_user) and respond() answers it. The state up to the last piece
+        fed is saved (unless abort() tainted it), so that respond() feeds only the rest."""
+        meter.close()
+        s = st.settings
+        result = TurnResult(
+            session_id=self.session_id, turn=st.turn, record={}, reasoning=None, answer="", interrupted=True,
+            stop="cancelled", message=None, prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
+            prefilled_tokens=meter.done, reuse_source=st.source, reuse_note=st.note, generated_ids=[],
+            prefill_seconds=st.prefill_s, decode_seconds=0.0, seed=None if s.greedy else s.seed, greedy=s.greedy,
+            engine=self._engine_stats(), pending=True)
+        usable = self._live_usable() and bool(self._fed)
+        if self.state_files and usable and not self._aborted.is_set():
+            if self._saved_ids == self._fed:
+                result.state_saved = True  # nothing was read since the state file was written
+            else:
+                self._save_state(result, emit)
+        result.message = self._stopped_message(st.prompt_tokens, st.reused + meter.done, result.state_saved)
+        emit(Notice("cancelled", result.message))
+        emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused, prefilled_tokens=meter.done,
+                   generated_tokens=0, prefill_seconds=st.prefill_s, decode_seconds=0.0,
+                   context_used=self.context_used, context_limit=self.context, engine=result.engine))
+        emit(PhaseChanged("done"))
+        emit(TurnDone(result))
+        return result
+
+    def _stopped_message(self, prompt_tokens: int, held: int, state_saved: bool) -> str:
+        kept = "the message is kept, not yet answered"
+        if not held:
+            return f"stopped before any of the prompt was read; {kept}"
+        where = f"stopped while reading the prompt at token {held:,} of {prompt_tokens:,}; {kept}"
+        rest = f"answering it reads only the remaining {prompt_tokens - held:,} tokens"
+        if state_saved:
+            return f"{where}, and what was read is saved: {rest}"
+        if self._live_usable():
+            return f"{where}; {rest} while this session stays open"
+        return f"{where}; the step in flight was aborted, so answering it reads the prompt again"
 
     def _failed(self, st: _TurnState, generated: list[int], exc: BaseException, emit: EventHandler) -> TurnFailed:
         parsed, _, _ = self._parse(st, generated, "error")

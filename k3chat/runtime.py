@@ -299,6 +299,7 @@ class SignalStops:
     def __init__(self, policy: StopPolicy | None = None, *, what: str = "generated") -> None:
         self.policy = policy or StopPolicy(exit_now=self._exit_now)
         self.what = what
+        self.step = "the current step"  # what the first request lets finish (a front-end may say more)
         self._old: dict[int, Any] = {}
 
     @property
@@ -327,7 +328,7 @@ class SignalStops:
             raise KeyboardInterrupt
         level = policy.request()
         if level == AFTER_STEP:
-            self._write(f"\nk3chat: stopping after the current step and saving what was {self.what} "
+            self._write(f"\nk3chat: stopping after {self.step} and saving what was {self.what} "
                         "(Ctrl-C again to abort the step)\n")
         elif level == ABORT_STEP:
             self._write(f"\nk3chat: aborting the current step; saving what was {self.what} "

@@ -492,7 +492,8 @@ class K3ChatApp(App[int]):
         if note:
             notes.append(note)
         if conv.pending_user:
-            notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it, ctrl+e edits it.")
+            notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it (a prompt stopped "
+                         "while it was read continues from where it stopped), ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
 
     def _close_conversation(self) -> None:
@@ -859,9 +860,14 @@ class K3ChatApp(App[int]):
         if self.busy:
             if self._stop_turn() == AFTER_STEP:
                 self._armed_at = now
-                self.chat.status.set_phase("stopping after the step in flight")
-                self.say("Stopping after the step in flight; the partial answer is kept. "
-                         "ctrl+c again saves and quits.")
+                if self.chat.prefilling:
+                    self.chat.status.set_phase("stopping at the next chunk of the prompt")
+                    self.say("Stopping at the next chunk of the prompt; the message and what was read are kept. "
+                             "ctrl+c again saves and quits.")
+                else:
+                    self.chat.status.set_phase("stopping after the step in flight")
+                    self.say("Stopping after the step in flight; the partial answer is kept. "
+                             "ctrl+c again saves and quits.")
             else:  # the second ctrl+c stopped the step in flight as well: save, quit
                 await self._save_and_quit(None)
             return

@@ -17,7 +17,8 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Markdown, ProgressBar, Static
 
-from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone
+from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, PrefillProgress, ReasoningToken, Stats, TurnDone
+from k3chat.progress import progress_figures
 
 from ..text import literal
 from ..widgets.attachments import AttachmentBar
@@ -67,6 +68,8 @@ class ChatScreen(Screen[None]):
         self._progress_started = 0.0
         self._progress_text = ""
         self._progress_timer: Any = None
+        self._progress_elapsed = True  # add "(N s)" to the text (the prefill's bar has its own figures)
+        self.prefilling = False  # the prefill's bar is up: a stop now ends at a chunk boundary
         self.editing = False
         self._stash = ""  # what was in the box when ctrl+e replaced it
 
@@ -123,6 +126,7 @@ class ChatScreen(Screen[None]):
         if not box.display:
             self._progress_started = time.monotonic()
         self._progress_text = text
+        self._progress_elapsed = True
         box.display = True
         self._tick_progress()
         if self._progress_timer is None:
@@ -130,9 +134,21 @@ class ChatScreen(Screen[None]):
 
     def _tick_progress(self) -> None:
         elapsed = time.monotonic() - self._progress_started
-        self.query_one("#progress-text", Static).update(literal(f"{self._progress_text}  ({elapsed:.0f} s)"))
+        suffix = f"  ({elapsed:.0f} s)" if self._progress_elapsed else ""
+        self.query_one("#progress-text", Static).update(literal(f"{self._progress_text}{suffix}"))
+
+    def show_prefill(self, event: PrefillProgress) -> None:
+        """The prefill's bar: tokens done of total, tokens per second, ETA."""
+        self.show_progress(f"Reading the prompt: {progress_figures(event)} "
+                           "(ctrl+c stops at the next chunk and keeps what was read)")
+        self._progress_elapsed = False
+        self._tick_progress()
+        self.prefilling = True
+        self.query_one("#progress-bar", ProgressBar).update(total=max(event.total, 1), progress=event.done)
 
     def hide_progress(self) -> None:
+        self.prefilling = False
+        self.query_one("#progress-bar", ProgressBar).update(total=None, progress=0)
         self.query_one("#progress").display = False
         if self._progress_timer is not None:
             self._progress_timer.stop()
@@ -199,6 +215,9 @@ class ChatScreen(Screen[None]):
             self.status.set_phase(f"prefill {fed:,} tokens{where}")
             if fed >= PREFILL_PROGRESS_TOKENS:
                 self.show_progress(f"Prefilling {fed:,} tokens of conversation{where}")
+        elif isinstance(event, PrefillProgress):
+            if event.total >= PREFILL_PROGRESS_TOKENS and event.done < event.total:
+                self.show_prefill(event)
         elif isinstance(event, PhaseChanged):
             self._phase(event.phase)
         elif isinstance(event, Notice):
@@ -230,6 +249,11 @@ class ChatScreen(Screen[None]):
         result = event.result
         turn = self.turn
         if turn is None:
+            return
+        if result.pending:  # stopped while reading the prompt: no answer, the message waits
+            self.turn = None
+            await turn.remove()
+            self.show_notice(f"{result.message} (ctrl+r answers it)" if result.message else "")
             return
         if turn.reasoning is not None:
             # the stored figures, so that a redraw or a resume shows exactly these
