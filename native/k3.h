@@ -73,7 +73,8 @@ typedef struct k3_tensor_desc {
 typedef struct k3_open_opts {
     uint64_t expert_cache_bytes; /* 0: no limit (a slot for every expert) */
     int32_t reader_threads;      /* expert reader threads, 0 -> 2 */
-    int32_t direct_io;           /* 1: try O_DIRECT (falls back to buffered, reported) */
+    int32_t direct_io;           /* 1: try uncached reads, k3_direct_io_kind() (falls back
+                                  * to buffered, reported) */
     int32_t lookahead;           /* experts per token prefetched for the next layer; 0 off */
     int32_t prefetch;            /* 1: a layer's misses are read at once by the readers;
                                   * 0: read one by one on the compute thread */
@@ -104,8 +105,8 @@ typedef struct k3_stats {
     uint64_t lookahead_wasted;      /* ... evicted unused */
     uint64_t io_wait_ns;            /* compute thread waiting for expert or trunk bytes */
     uint64_t trunk_stream_reads;    /* streamed layer loads */
-    uint64_t direct_io;             /* 1 if O_DIRECT reads are in use */
-    uint64_t direct_io_refused;     /* 1 if O_DIRECT was asked for and refused */
+    uint64_t direct_io;             /* 1 if uncached (O_DIRECT, F_NOCACHE) reads are in use */
+    uint64_t direct_io_refused;     /* 1 if they were asked for and refused */
     uint64_t expert_slots;          /* cache capacity in experts */
 } k3_stats;
 
@@ -172,5 +173,11 @@ int64_t k3_kernel_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, int
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads);
 int32_t k3_cpu_has_avx2(void);
+/* The SIMD kernels this build runs when SIMD is on: "avx2", "neon" or "none" (every
+ * path gives the scalar path's bits). */
+const char *k3_simd_kind(void);
+/* How direct_io reads bypass the page cache here: "O_DIRECT" (Linux), "F_NOCACHE"
+ * (macOS) or "none" (buffered only). */
+const char *k3_direct_io_kind(void);
 
 #endif

@@ -202,7 +202,7 @@ int k3_session_snapshot_drop(k3_session *s, int32_t snap_id) {
 int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
                         const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads) {
     if (rows < 1 || cols < 32 || cols % 32 || ntok < 1) return -1;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_avx2()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
     uint64_t nan = 0;
     kk_mxfp4_matmul(&c, packed, scales, rows, cols, x, cols, ntok, y, rows, &nan);
     return (int64_t)nan;
@@ -211,7 +211,7 @@ int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t ro
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads) {
     if (rows < 1 || cols < 1 || ntok < 1) return K3_ERR_INVALID;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_avx2()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
     kk_mat m = {w, K3_DT_BF16, rows, cols};
     kk_matmul(&c, &m, x, cols, ntok, y, rows);
     return K3_OK;

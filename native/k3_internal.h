@@ -31,10 +31,12 @@ typedef struct kk_mat {
 
 typedef struct kk_ctx {
     int nthreads;
-    int simd; /* 1: AVX2 kernels (same bits as scalar) */
+    int simd; /* 1: SIMD kernels, AVX2 or NEON (same bits as scalar) */
 } kk_ctx;
 
 int kk_cpu_has_avx2(void);
+/* 1 when this build has SIMD kernels the CPU can run (AVX2+FMA on x86-64, NEON on AArch64). */
+int kk_cpu_has_simd(void);
 /* Dot product with the engine's one reduction order (8 double lanes, fixed tree),
  * rounded once to float (kk_dot) or kept in double (kk_dot_d). */
 float kk_dot(const float *a, const float *b, int n, int simd);

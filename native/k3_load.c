@@ -494,7 +494,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     if (opts) m->opts = *opts;
     m->nthreads = 1;
     m->owner_pid = getpid();
-    m->simd_available = kk_cpu_has_avx2();
+    m->simd_available = kk_cpu_has_simd();
     m->shards = (kt_shard *)calloc((size_t)n_shards, sizeof(kt_shard));
     m->layers = (km_layer *)calloc((size_t)cfg->n_layers, sizeof(km_layer));
     if (!m->shards || !m->layers) {

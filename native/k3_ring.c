@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "k3_internal.h"
+#include "k3_platform.h"
 
 typedef struct {
     uint8_t *buf;
@@ -96,10 +97,8 @@ static int kr_fill(kr_ring *r, int L, int unit, uint8_t *buf, char *err, size_t 
             return K3_ERR_IO;
         }
         __atomic_add_fetch(&m->stats.trunk_bytes_read, rd->len, __ATOMIC_RELAXED);
-#ifdef POSIX_FADV_DONTNEED
         /* streamed bytes are read again next pass from disk, not held twice in RAM */
-        if (m->opts.direct_io) posix_fadvise(m->shards[rd->shard].fd, (off_t)rd->off, (off_t)rd->len, POSIX_FADV_DONTNEED);
-#endif
+        if (m->opts.direct_io) kos_drop_cached(m->shards[rd->shard].fd, rd->off, rd->len);
     }
     __atomic_add_fetch(&m->stats.trunk_stream_reads, 1, __ATOMIC_RELAXED);
     return K3_OK;

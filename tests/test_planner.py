@@ -581,7 +581,7 @@ def test_cgroup_v2_reader_takes_the_tightest_ancestor(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16384000 kB\nMemFree: 100 kB\n"
                        "MemAvailable:   10240000 kB\nSwapTotal: 0 kB\n")
-    m = sz.read_machine_memory(meminfo, root, proc)
+    m = sz.read_machine_memory(meminfo, root, proc, system="linux")
     assert m.total == 16384000 * 1024 and m.available == 10240000 * 1024
     assert m.limit == min(m.available, cg.headroom)
 
