@@ -30,6 +30,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -78,6 +79,7 @@ class HFSnapshot:
 
     repo: str | None
     revision: str
+    cache_dir: Path  # the hub cache holding `models--ORG--NAME`
 
 
 def hf_snapshot(model_dir: Path) -> HFSnapshot | None:
@@ -87,7 +89,7 @@ def hf_snapshot(model_dir: Path) -> HFSnapshot | None:
         return None
     parts = resolved.parent.parent.name.split("--")
     repo = "/".join(parts[1:]) if len(parts) >= 3 and parts[0] == "models" else None
-    return HFSnapshot(repo, resolved.name)
+    return HFSnapshot(repo, resolved.name, resolved.parent.parent.parent)
 
 
 def hf_blob_sha256(path: Path) -> str | None:
@@ -358,7 +360,7 @@ def _redownload(model_dir: Path, name: str, hf: HFSnapshot | None) -> str:
     if hf is not None and hf.repo:
         # the damaged blob is in the cache already: without --force-download it is kept
         return (f"huggingface-cli download {hf.repo} {name} --revision {hf.revision} "
-                f"--force-download")
+                f"--cache-dir {shlex.quote(str(hf.cache_dir))} --force-download")
     return f"download {name} again from the release into {model_dir}"
 
 
@@ -553,7 +555,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the state directory) instead of checking them")
     p.add_argument("--jobs", type=_jobs_arg, default=default_jobs(), metavar="N",
                    help=f"files hashed at once (default {default_jobs()}: the cores, at most "
-                        f"{MAX_DEFAULT_JOBS}; one core hashes about 0.5-2 GB/s)")
+                        f"{MAX_DEFAULT_JOBS}; each file's SHA-256 runs on one core)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT",
                    help="also write the report as JSON (0600)")
 

@@ -184,7 +184,8 @@ def test_hf_cache_snapshot_is_checked_by_blob_names(tiny_dir: Path, tmp_path: Pa
     code, rep = run(snap, tmp_path)
     assert code == 2 and list(bad(rep)) == [SHARD]
     line = (f"huggingface-cli download moonshotai/Kimi-K3-tiny {SHARD} --revision "
-            f"0123456789abcdef0123456789abcdef01234567 --force-download")
+            f"0123456789abcdef0123456789abcdef01234567 --cache-dir "
+            f"{(tmp_path / 'hub').resolve()} --force-download")
     assert bad(rep)[SHARD]["redownload"] == line and line in capsys.readouterr().out
     blob.unlink()  # a blob never downloaded: the link dangles
     code, rep = run(snap, tmp_path)
