@@ -124,6 +124,7 @@ class StreamOptions:
     pinned: tuple[int, ...] = ()     # layers kept resident while streaming
     embed_stream: bool = False       # read embedding rows per token instead of holding them
     prefill_chunk: int = 64          # prompt tokens per pass: each distinct expert read once per pass
+    head_block_rows: int = 0         # 0: lm_head held; N: read per pass in blocks of N rows
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,10 @@ class Model:
         if so.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {so.prefill_chunk}")
         o.prefill_chunk = int(so.prefill_chunk)
+        if so.head_block_rows < 0:
+            raise ValueError(f"head_block_rows must be 0 (lm_head held) or >= 1 row, got "
+                             f"{so.head_block_rows}")
+        o.head_block_rows = int(so.head_block_rows)
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")
@@ -208,7 +213,8 @@ class Model:
     def inject_fault(self, layer: int, expert: int, kind: int = 1) -> None:
         """Test hook: the next read of (layer, expert) fails with EIO.
 
-        expert -1 targets the layer's streamed trunk, -2 any expert of the layer."""
+        expert -1 targets the layer's streamed trunk, -2 any expert of the layer, -3 the
+        next streamed lm_head block (layer ignored)."""
         self._call("k3_model_inject_fault", int(layer), int(expert), int(kind))
 
     # ---- settings ----

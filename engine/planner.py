@@ -10,7 +10,9 @@ k3_store.c) and `Plan.stream_options()` gives the engine exactly those options.
 Order of the split (trunk before experts: a peer measured trunk-first 1.69x faster at the
 same budget):
 
-1. **Floor** (always resident): lm_head; the embedding table only when the whole trunk is
+1. **Floor** (always resident): lm_head (or, only when no plan fits with it held, one
+   buffer of HEAD_BLOCK_BYTES into which its row blocks are read every token:
+   `head_block_rows`, the whole lm_head read per token); the embedding table only when the whole trunk is
    resident (otherwise, or when only that lets a resident trunk fit, embedding rows are read
    from the shard per token: `embed_stream`, one row of hidden x 2 B); every small vector of
    every layer widened to fp32 (norms, AttnRes, conv, A_log, dt_bias, router biases: the
@@ -67,7 +69,12 @@ about 1 MiB per token more. The smallest plan streams every layer, through ring 
 layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
 4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
 Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
-8.13 GiB (8K), so 8G streams every layer. 8G holds at most 17,810 tokens and 16G 94,968.
+8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB lm_head streams: its 2.19 GiB
+become a 32 MiB block buffer (2,340 rows) and every token reads all of it (2.19 GiB, 71
+reads): 4.85 GiB at 8K (floor 1.87 + ring 2.71 + expert slots 0.28), 3.95 at one token,
+4.00 at 8K without the turn snapshot (0.85); what keeps it above 4 is the ring (two slots
+for layer 0's 1.35 GiB FFN unit), the snapshot, the KDA state (0.43) and the MLA cache (0.42).
+With lm_head streamed 8G holds at most 38,624 tokens and 16G 115,758.
 Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
 needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
@@ -123,6 +130,9 @@ IO_READERS = 8  # reader threads (queue depth 8, what `k3chat doctor` measures)
 # expert store reads whole runs straight into its slots, so this stays small.
 STAGING_PER_READER = 1 * sz.MiB
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
+# lm_head streamed (only when no plan fits with it held): blocks of rows up to this many
+# bytes, one read each, large enough that a read runs at sequential disk speed.
+HEAD_BLOCK_BYTES = 32 * sz.MiB
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
 
@@ -474,6 +484,16 @@ def embed_row_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
     return ts.embed // cfg.vocab
 
 
+def head_block_rows(cfg: ModelConfig, ts: TensorSizes) -> int:
+    """lm_head rows per streamed block: as many as HEAD_BLOCK_BYTES holds, at least one."""
+    return max(1, min(cfg.vocab, HEAD_BLOCK_BYTES // (ts.lm_head // cfg.vocab)))
+
+
+def head_buffer_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
+    """The block buffer a streamed lm_head needs (km_head in native/k3_model.c)."""
+    return head_block_rows(cfg, ts) * (ts.lm_head // cfg.vocab)
+
+
 STATE_HEADER = 40  # k3_state.c: ten 32-bit words before the ids
 
 
@@ -484,11 +504,13 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None) -> _Floor:
-    """Everything resident whatever the trunk layout (given the embedding choice).
+           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None,
+           head_stream: bool = False) -> _Floor:
+    """Everything resident whatever the trunk layout (given the embedding and lm_head choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
-    (km_embed in native/k3_model.c). `process_bytes` is what the process needs beside the
+    (km_embed in native/k3_model.c); with `head_stream` no lm_head, only its block buffer
+    (km_head). `process_bytes` is what the process needs beside the
     engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process.
     The work buffers are for a prefill pass of `chunk` tokens (default: base_chunk)."""
     state = kda_state_bytes(cfg)
@@ -496,7 +518,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
     return _Floor({
         PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
-        "lm_head": ts.lm_head,
+        "lm_head": head_buffer_bytes(cfg, ts) if head_stream else ts.lm_head,
         "output norms (fp32)": ts.model_vectors,
         "layer vectors (fp32)": sum(ts.layer_vectors),
         "KDA state": state,
@@ -546,7 +568,7 @@ class Plan:
     embed_bytes: int  # resident for the embeddings: the table, or one row buffer
     embed_table_bytes: int  # the embedding table as stored
     embed_row_bytes: int  # one row, read per token when embed_stream
-    lm_head_bytes: int
+    lm_head_bytes: int  # resident for lm_head: the matrix, or one block buffer
     model_vector_bytes: int  # output norms and AttnRes, fp32
     layer_vector_bytes: int  # every layer's small vectors, fp32, resident even when streamed
     kda_state_bytes: int
@@ -583,6 +605,9 @@ class Plan:
     sizes_source: str
     process_bytes: int = 0  # the process beside the engine: interpreter, libraries, UI
     open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
+    head_stream: bool = False  # lm_head read per pass in row blocks; only when held cannot fit
+    head_block_rows: int = 0  # rows per block when head_stream (0: held)
+    head_table_bytes: int = 0  # lm_head as stored: what head_stream reads per token
     machine_limit: int | None = None  # what the machine could hold, when it was checked
     work_parts: dict[str, int] = field(default_factory=dict)  # work_bytes by kind
     # per layer, layer 0 first
@@ -619,11 +644,22 @@ class Plan:
         return self.floor_bytes + self.trunk_plan_bytes + self.expert_cache_bytes
 
     @property
+    def head_read_per_token(self) -> int:
+        """lm_head bytes read per generated token (every pass that wants logits reads it
+        whole once, whatever its tokens): 0 when held."""
+        return self.head_table_bytes if self.head_stream else 0
+
+    @property
     def cold_read_per_token(self) -> int:
         """Bytes read per token with a cold expert cache: streamed trunk matrices, every
-        MoE layer's top-k and, with embed_stream, the token's embedding row."""
+        MoE layer's top-k and, with embed_stream, the token's embedding row, with
+        head_stream the whole lm_head."""
         return (self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
-                + (self.embed_row_bytes if self.embed_stream else 0))
+                + (self.embed_row_bytes if self.embed_stream else 0) + self.head_read_per_token)
+
+    def read_seconds(self, nbytes: int, disk_gb_per_s: float) -> float:
+        """Seconds to read `nbytes` at a disk speed (GB/s, decimal, as `k3chat doctor`)."""
+        return nbytes / (disk_gb_per_s * 1e9)
 
     def prefill_passes(self, prompt_tokens: int, chunk: int | None = None) -> list[int]:
         """Tokens of each engine pass a prompt is fed in (the engine's km_forward split)."""
@@ -653,6 +689,7 @@ class Plan:
             "pinned": tuple(self.pinned_layers),
             "embed_stream": self.embed_stream,
             "prefill_chunk": self.prefill_chunk,  # the chunk the work buffers were sized for
+            "head_block_rows": self.head_block_rows if self.head_stream else 0,
         }
 
     def stream_options(self, reader_threads: int = IO_READERS) -> Any:
@@ -672,11 +709,13 @@ class Plan:
         out.update(floor_parts=self.floor_parts, floor_bytes=self.floor_bytes,
                    ring_bytes=self.ring_bytes, trunk_plan_bytes=self.trunk_plan_bytes,
                    total=self.total, headroom=self.budget - self.total,
-                   cold_read_per_token=self.cold_read_per_token, engine_options=options)
+                   cold_read_per_token=self.cold_read_per_token,
+                   head_read_per_token=self.head_read_per_token, engine_options=options)
         return out
 
-    def table(self) -> str:
-        return _render_table(self)
+    def table(self, disk_gb_per_s: float | None = None) -> str:
+        """The plan as text; with a disk speed, what a streamed lm_head costs in time."""
+        return _render_table(self, disk_gb_per_s)
 
 
 def _ranges(layers: Sequence[int]) -> str:
@@ -697,7 +736,7 @@ def _row(label: str, nbytes: int, note: str = "") -> str:
     return f"  {label:<30} {nbytes:>19,} B {sz.format_bytes(nbytes):>12}  {note}".rstrip()
 
 
-def _render_table(p: Plan) -> str:
+def _render_table(p: Plan, disk_gb_per_s: float | None = None) -> str:
     per_pos = p.mla_bytes_per_position
     lines = [f"memory plan: budget {sz.format_bytes(p.budget)} ({p.budget:,} B), context "
              f"{p.context:,} tokens; sizes from {p.sizes_source}",
@@ -709,6 +748,9 @@ def _render_table(p: Plan) -> str:
                             f"for its growth (interpreter, libraries, tokenizer, UI)"
                             if p.process_bytes else "not counted"),
              "embeddings": embed_note,
+             "lm_head": (f"streamed: blocks of {p.head_block_rows:,} rows, the whole "
+                         f"{p.head_table_bytes:,} B read per token (not held)" if p.head_stream
+                         else "resident"),
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
              "work buffers": f"peak of one prefill pass, chunk of {p.prefill_chunk:,} tokens "
@@ -749,18 +791,36 @@ def _render_table(p: Plan) -> str:
                       "pinned layers + vectors + the largest read buffer (no ring, expert "
                       "slots or session yet)"))
     embed_read = f" + embedding row {p.embed_row_bytes:,} B" if p.embed_stream else ""
+    head_read = (f" + lm_head {sz.format_bytes(p.head_read_per_token)}" if p.head_stream
+                 else "")
     lines.append(f"cold read per token: {sz.format_bytes(p.cold_read_per_token)} "
                  f"(streamed trunk {sz.format_bytes(p.streamed_bytes)} + top-{p.top_k} experts of "
-                 f"{p.moe_layers} MoE layers{embed_read})")
+                 f"{p.moe_layers} MoE layers{embed_read}{head_read})")
+    if p.head_stream:
+        lines.append(_head_cost_line(p, disk_gb_per_s))
     opts = p.engine_options()
     pinned = _ranges(p.pinned_layers) if opts["trunk_stream"] else "all"
     lines.append(f"engine options: trunk_stream={opts['trunk_stream']}, ring_slots="
                  f"{opts['ring_slots']}, pinned {pinned}, embed_stream={p.embed_stream}, "
-                 f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}")
+                 f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}, "
+                 f"head_block_rows={opts['head_block_rows']:,}")
     if p.machine_limit is not None:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
     return "\n".join(lines)
+
+
+def _head_cost_line(p: Plan, disk_gb_per_s: float | None) -> str:
+    """What streaming lm_head costs per token, in bytes and, given a disk speed, seconds."""
+    blocks = -(-p.head_table_bytes // p.lm_head_bytes)
+    text = (f"lm_head streamed (no plan fits with it held): {p.head_read_per_token:,} B "
+            f"({sz.format_bytes(p.head_read_per_token)}) read per token in {blocks:,} reads of "
+            f"up to {p.lm_head_bytes:,} B")
+    if disk_gb_per_s is None:
+        return text + ("; give --disk-gbps (the read speed `k3chat doctor` measures) for "
+                       "the time it costs")
+    return (text + f", {p.read_seconds(p.head_read_per_token, disk_gb_per_s):.2f} s per token "
+            f"at {disk_gb_per_s:g} GB/s")
 
 
 _WORK_NOTES = {
@@ -866,22 +926,24 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
     return options
 
 
-def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
+def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk, head_stream: bool = False) -> int:
     """The most the engine holds while it opens the model (k3_model_open), an upper bound.
 
     The layers come first, each pinned one through a read buffer of its whole run; then the
-    embedding table (when held) and lm_head, each read into a buffer and copied. The ring,
-    the expert slots (made on first use), the session state and the work buffers do not
-    exist yet."""
+    embedding table (when held) and lm_head (when held), each read into a buffer and copied.
+    The ring, the expert slots (made on first use), the session state, the work buffers and
+    a streamed lm_head's block buffer do not exist yet."""
     held = (floor.parts[PROCESS_PART] + floor.parts["layer vectors (fp32)"]
             + floor.parts["output norms (fp32)"] + floor.parts["I/O staging"]
             + trunk.pinned_bytes + trunk.router_bytes)
     table = 0 if trunk.embed_stream else ts.embed
-    return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
+    head = 0 if head_stream else ts.lm_head
+    return held + max(trunk.open_buffer, 2 * table, table + 2 * head)
 
 
 def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
-                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int) -> int:
+                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int,
+                   head_stream: bool = False) -> int:
     """The largest prefill chunk (at most the context) beside `trunk` and the expert cache.
 
     A bigger chunk reads each distinct expert and every streamed trunk unit once for more
@@ -892,7 +954,8 @@ def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
     base = base_chunk(context)
 
     def need(chunk: int, slots: int) -> int:
-        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
+                       head_stream)
         return floor.total + trunk.cost(ring_slots) + slots * slot
 
     slots = _min_expert_slots(cfg, ts)
@@ -923,21 +986,37 @@ def _check_ring_slots(ring_slots: int, budget: int, context: int) -> None:
 
 
 def _need(cfg: ModelConfig, ts: TensorSizes, floors: Mapping[bool, _Floor], trunk: _Trunk,
-          ring_slots: int) -> int:
+          ring_slots: int, head_stream: bool = False) -> int:
     """The smallest budget `trunk` fits in: held with the minimum expert cache, and the
-    peak while the engine opens the model."""
+    peak while the engine opens the model (`floors` made with the same `head_stream`)."""
     floor = floors[trunk.embed_stream]
     held = floor.total + trunk.cost(ring_slots) + _min_expert_slots(cfg, ts) * slot_bytes(
         ts.expert_bytes)
-    return max(held, _open_peak(ts, floor, trunk))
+    return max(held, _open_peak(ts, floor, trunk, head_stream))
+
+
+def _floors(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
+            process_bytes: int, head_stream: bool) -> dict[bool, _Floor]:
+    """The floor with and without the embedding table, for one lm_head choice."""
+    return {e: _floor(cfg, ts, context, snapshots, e, process_bytes, None, head_stream)
+            for e in (False, True)}
 
 
 def _smallest(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-              lookahead: int, ring_slots: int, process_bytes: int = 0) -> tuple[int, _Trunk]:
-    """The smallest budget any plan at `context` fits in, and its trunk layout."""
-    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
-    return min(((_need(cfg, ts, floors, t, ring_slots), t)
-                for t in _trunk_options(_layout(ts, lookahead))), key=lambda x: x[0])
+              lookahead: int, ring_slots: int,
+              process_bytes: int = 0) -> tuple[int, _Trunk, bool]:
+    """The smallest budget any plan at `context` fits in, its trunk layout and whether
+    lm_head streams (ties keep it held)."""
+    options = _trunk_options(_layout(ts, lookahead))
+    best: tuple[int, _Trunk, bool] | None = None
+    for head_stream in (False, True):
+        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream)
+        need, trunk = min(((_need(cfg, ts, floors, t, ring_slots, head_stream), t)
+                           for t in options), key=lambda x: x[0])
+        if best is None or need < best[0]:
+            best = (need, trunk, head_stream)
+    assert best is not None
+    return best
 
 
 def minimum_budget(cfg: ModelConfig, ts: TensorSizes, context: int,
@@ -992,8 +1071,10 @@ def _trunk_text(lay: _Layout, trunk: _Trunk, ring_slots: int) -> str:
 
 def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snapshots: int,
              lookahead: int, ring_slots: int, process_bytes: int = 0) -> PlanError:
-    need, smallest = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots, process_bytes)
-    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream, process_bytes)
+    need, smallest, head_stream = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots,
+                                            process_bytes)
+    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream, process_bytes, None,
+                   head_stream)
     k, slot = _min_expert_slots(cfg, ts), slot_bytes(ts.expert_bytes)
     fits = max_context(cfg, ts, budget, snapshots, lookahead=lookahead, ring_slots=ring_slots,
                        process_bytes=process_bytes)
@@ -1001,6 +1082,9 @@ def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snaps
     if smallest.embed_stream:
         parts += (f"; embedding rows read per token, {embed_row_bytes(cfg, ts):,} B each, "
                   f"instead of holding the {sz.format_bytes(ts.embed)} table")
+    if head_stream:
+        parts += (f"; lm_head read per token in blocks of {head_block_rows(cfg, ts):,} rows "
+                  f"({sz.format_bytes(ts.lm_head)} per token) instead of held")
     advice = f"What to do: give --memory {_round_up_g(need)} or more"
     if fits is not None:
         advice += f", or a context of at most {fits:,} tokens at this budget"
@@ -1078,19 +1162,26 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                         budget=budget_bytes, context=context)
     _check_ring_slots(ring_slots, budget_bytes, context)
     machine_limit = _check_machine(budget_bytes, context) if check_machine else None
-    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
     slot = slot_bytes(ts.expert_bytes)
     k = _min_expert_slots(cfg, ts)
     lay = _layout(ts, lookahead)
-    # Trunk first: the layout pinning the most bytes that fits beside the minimum cache.
-    trunk = next((t for t in _trunk_options(lay)
-                  if _need(cfg, ts, floors, t, ring_slots) <= budget_bytes), None)
+    # Trunk first: the layout pinning the most bytes that fits beside the minimum cache,
+    # with lm_head held; streamed (read whole every token) only when nothing else fits.
+    trunk, head_stream = None, False
+    for head_stream in (False, True):
+        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream)
+        trunk = next((t for t in _trunk_options(lay)
+                      if _need(cfg, ts, floors, t, ring_slots, head_stream) <= budget_bytes),
+                     None)
+        if trunk is not None:
+            break
     if trunk is None:
         raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
                        process_bytes)
     chunk = _largest_chunk(cfg, ts, budget_bytes, context, snapshots, trunk, ring_slots,
-                           process_bytes)
-    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+                           process_bytes, head_stream)
+    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
+                   head_stream)
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
     unit = trunk.ring_unit
@@ -1122,7 +1213,9 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         experts_total=ts.n_experts_total, top_k=cfg.top_k, moe_layers=len(cfg.moe_layers),
         sizes_source=ts.source, process_bytes=process_bytes, machine_limit=machine_limit,
         layer_bytes=ts.layer_trunk,
-        open_peak_bytes=_open_peak(ts, floor, trunk),
+        open_peak_bytes=_open_peak(ts, floor, trunk, head_stream),
+        head_stream=head_stream, head_block_rows=head_block_rows(cfg, ts) if head_stream else 0,
+        head_table_bytes=ts.lm_head,
         layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.units,
     )
 
@@ -1182,6 +1275,16 @@ def _prompt_arg(text: str) -> int:
     return value
 
 
+def _gbps_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a speed in GB/s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a disk speed is a positive number of GB/s, got {text}")
+    return value
+
+
 def prompt_report(plan: Plan, prompt_tokens: int) -> dict[str, Any]:
     """How a prompt of `prompt_tokens` is fed under `plan`, beside the engine's default chunk
     and one pass for the whole prompt: passes and expected routed-expert bytes."""
@@ -1235,6 +1338,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=_prompt_arg, default=None, metavar="N",
                     help="also report how a prompt of N tokens is fed: the prefill chunk, the "
                          "passes and the expected expert bytes read (uniform routing)")
+    ap.add_argument("--disk-gbps", type=_gbps_arg, default=None, metavar="GB/S",
+                    help="the disk's read speed in GB/s (what `k3chat doctor` measures): when "
+                         "the plan streams lm_head, also say what that costs per token in time")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -1248,7 +1354,7 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def main_plan(argv: Sequence[str]) -> int:
     """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--prompt-tokens N]
-    [--json OUT]`:
+    [--disk-gbps S] [--json OUT]`:
     0 ok, 2 refused."""
     try:
         args = _parser().parse_args(list(argv))
@@ -1285,8 +1391,12 @@ def main_plan(argv: Sequence[str]) -> int:
     if sz.is_auto(args.memory):
         print(f"--memory auto: {int(sz.AUTO_FRACTION * 100)}% of what this machine can hold "
               f"without swapping, in 256 MiB steps")
-    print(plan.table())
+    print(plan.table(args.disk_gbps))
     payload: dict[str, Any] = {"ok": True, "model_dir": str(args.model_dir), "plan": plan.to_dict()}
+    if args.disk_gbps is not None:
+        payload["disk_gb_per_s"] = args.disk_gbps
+        payload["head_read_seconds_per_token"] = plan.read_seconds(plan.head_read_per_token,
+                                                                   args.disk_gbps)
     if args.prompt_tokens is not None:
         payload["prompt"] = prompt_report(plan, args.prompt_tokens)
         print(_prompt_text(payload["prompt"]))

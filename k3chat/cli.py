@@ -166,6 +166,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                                "by default)"))
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    from .verify import add_arguments
+    add_arguments(sub.add_parser("verify", help="check a downloaded checkpoint: every shard's size "
+                                                "and SHA-256, every header, the index"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -173,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sessions(sub)
     _add_chat(sub)
     _add_serve(sub)
+    _add_verify(sub)
     helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
              "eval-demo": "score the built-in demo model on held-out questions (C engine)",
              "train-demo": "retrain the built-in demo model (needs pip install '.[train]')",
@@ -413,7 +420,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return main_serve(args)
 
 
-COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat, "serve": cmd_serve}
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import main_verify
+    return main_verify(args)
+
+
+COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat, "serve": cmd_serve,
+            "verify": cmd_verify}
 
 
 def _passthrough() -> dict[str, str]:

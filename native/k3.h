@@ -85,6 +85,10 @@ typedef struct k3_open_opts {
     int32_t prefill_chunk;       /* tokens per prefill pass (each distinct expert is read
                                   * at most once per pass); 0 -> 64.  Output bits never
                                   * depend on it. */
+    int32_t head_block_rows;     /* 0: lm_head held.  > 0: lm_head not held; each pass that
+                                  * wants logits reads it from the shard in blocks of this
+                                  * many rows into one buffer, applied block by block (every
+                                  * logit is the same row dot product: same bits). */
 } k3_open_opts;
 
 typedef struct k3_stats {
@@ -108,6 +112,8 @@ typedef struct k3_stats {
     uint64_t direct_io;             /* 1 if uncached (O_DIRECT, F_NOCACHE) reads are in use */
     uint64_t direct_io_refused;     /* 1 if they were asked for and refused */
     uint64_t expert_slots;          /* cache capacity in experts */
+    uint64_t head_bytes_read;       /* lm_head blocks read (head_block_rows > 0); also in
+                                     * trunk_bytes_read */
 } k3_stats;
 
 typedef struct k3_model k3_model;
@@ -127,7 +133,8 @@ int k3_model_set_scalar(k3_model *m, int32_t on);
 int32_t k3_model_simd_active(const k3_model *m);
 int k3_model_stats(const k3_model *m, k3_stats *out);
 /* Test hook: the next read of (layer, expert) fails with EIO (expert -1: that layer's
- * streamed trunk; -2: any expert of that layer).  kind 0 clears. */
+ * streamed trunk; -2: any expert of that layer; -3: the next streamed lm_head block,
+ * layer ignored).  kind 0 clears. */
 int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind);
 /* Stateless full forward over ids[0..n): logits_all gets n*V floats.
  * shared_kda_slot = 1 uses one KDA state slot re-zeroed before each KDA layer. */

@@ -165,6 +165,8 @@ struct k3_model {
     kk_mat embed, lm_head;
     int32_t embed_shard;    /* embedding rows read on demand when embed.data is NULL */
     uint64_t embed_off;
+    int32_t head_shard;     /* lm_head read in row blocks per pass when lm_head.data is NULL */
+    uint64_t head_off;
     float *final_norm, *out_res_u;
     void **allocs; /* every buffer owned by the model */
     int n_allocs, cap_allocs;

@@ -586,7 +586,19 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         } else {
             km_mat(&ld, KM_PREFIX "embed_tokens.weight", cfg->vocab, E, &m->embed);
         }
-        km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
+        if (m->opts.head_block_rows > 0) { /* row blocks read per pass (km_head) */
+            const k3_tensor_desc *t = km_need(&ld, "language_model.lm_head.weight", 2, es, 1);
+            if (t) {
+                m->lm_head.data = NULL;
+                m->lm_head.dtype = t->dtype;
+                m->lm_head.rows = cfg->vocab;
+                m->lm_head.cols = (int32_t)E;
+                m->head_shard = t->shard;
+                m->head_off = t->offset;
+            }
+        } else {
+            km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
+        }
         m->final_norm = km_vec(&ld, KM_PREFIX "norm.weight", 1, vE);
         km_fold_res(m, &ld, KM_PREFIX "output_attn_res_norm.weight",
                     KM_PREFIX "output_attn_res_proj.weight", &m->out_res_u);

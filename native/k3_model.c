@@ -2,6 +2,7 @@
  * lm_head (spec 5.1-5.3, 5.8).  Works on chunks of tokens of one sequence; every
  * per-token computation is the same whatever the chunk, so chunking never moves bits.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,57 @@ static int km_embed(k3_model *m, const int32_t *ids, int ntok, float *h, char *e
 
 static size_t km_max(size_t a, size_t b) { return a > b ? a : b; }
 
+/* Consumes an injected lm_head fault (k3_model_inject_fault, expert -3). */
+static int km_head_fault(k3_model *m) {
+    if (!__atomic_load_n(&m->fault_kind, __ATOMIC_SEQ_CST) ||
+        __atomic_load_n(&m->fault_expert, __ATOMIC_SEQ_CST) != -3)
+        return 0;
+    __atomic_store_n(&m->fault_kind, 0, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* Logits of ntok normalized rows xn: lm_head held, one matmul; else its rows read from
+ * the shard in blocks of head_block_rows into one buffer, each block its own matmul
+ * writing its logit columns.  A logit is one row's dot product with xn either way (rows
+ * are independent in kk_matmul), so streaming never moves a bit. */
+static int km_head(k3_model *m, const kk_ctx *kc, const float *xn, int ntok, float *logits,
+                   char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden, V = c->vocab;
+    if (m->lm_head.data) {
+        kk_matmul(kc, &m->lm_head, xn, E, ntok, logits, V);
+        return K3_OK;
+    }
+    int block = m->opts.head_block_rows < V ? m->opts.head_block_rows : V;
+    size_t rowb = (m->lm_head.dtype == K3_DT_F32 ? 4 : 2) * (size_t)E;
+    void *buf = NULL;
+    if (posix_memalign(&buf, 64, rowb * (size_t)block) != 0) {
+        km_set_err(err, errlen, "out of memory for the lm_head block buffer (%d rows, %zu bytes)", block,
+                   rowb * (size_t)block);
+        return K3_ERR_NOMEM;
+    }
+    const kt_shard *sh = &m->shards[m->head_shard];
+    int fault = km_head_fault(m);
+    for (int r0 = 0; r0 < V; r0 += block) {
+        int nr = V - r0 < block ? V - r0 : block;
+        uint64_t off = m->head_off + (uint64_t)r0 * rowb, len = (uint64_t)nr * rowb;
+        int rc = fault ? -EIO : kt_pread_full(sh->fd, buf, len, off);
+        if (rc != 0) {
+            km_set_err(err, errlen, "read of lm_head rows %d..%d failed: shard %s offset %llu length %llu: %s",
+                       r0, r0 + nr - 1, sh->path, (unsigned long long)off, (unsigned long long)len,
+                       strerror(-rc));
+            free(buf);
+            return K3_ERR_IO;
+        }
+        __atomic_add_fetch(&m->stats.trunk_bytes_read, len, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&m->stats.head_bytes_read, len, __ATOMIC_RELAXED);
+        kk_mat w = {buf, m->lm_head.dtype, nr, E};
+        kk_matmul(kc, &w, xn, E, ntok, logits + r0, V);
+    }
+    free(buf);
+    return K3_OK;
+}
+
 static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, float *logits,
                     int all_rows, const volatile int32_t *cancel, char *err, size_t errlen) {
     const k3_config *c = &m->cfg;
@@ -171,7 +223,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         int first = all_rows ? 0 : ntok - 1;
         for (int t = first; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, m->final_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
-        kk_matmul(&kc, &m->lm_head, xn + (size_t)first * E, E, ntok - first, logits, c->vocab);
+        rc = km_head(m, &kc, xn + (size_t)first * E, ntok - first, logits, err, errlen);
     }
     free(buf);
     return rc;
