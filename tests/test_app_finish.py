@@ -1,0 +1,134 @@
+"""The chat app, issue 8, what was left: the status bar at 80 and 120 columns, command-line
+sampler options over a resumed session's stored ones, time to first token and per-turn time in
+the answer's footer, vim-style movement, copying one code block, and a help screen that lists
+every key binding. Pilot on the tiny fixture with scripted samples, as test_app."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3chat.history import HistoryStore
+from k3chat.settings import Settings
+from k3chat.tokenizer import Tokenizer
+
+textual = pytest.importorskip("textual")
+
+from test_app import Script, answer, home, make_app, model, run, screen_text, send, started, tok, until  # noqa: E402,F401
+
+from k3chat.app.widgets.status import StatusBar, fitted  # noqa: E402
+
+LONG_PLAN = "12 GB: trunk 20 pinned/41 streamed, 3000 expert slots"
+
+
+# --------------------------------------------------------------------------- the status bar
+
+
+def fill_status(status: StatusBar) -> None:
+    """A busy turn on a streamed model: every field of the bar set, as wide as they get."""
+    status.set_model("Kimi-K3-Instruct", LONG_PLAN)
+    status.set_thinking(True, "high")
+    status.set_sampler("sampling t 0.7 p 0.9 k 40")
+    status.set_phase("answering")
+    status.speed, status.cache, status.per_token = "1.2 s/tok", "cache 87%", "1.3 GB/tok read"
+    status.set_context(12_345, 262_144)
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_context_figure_is_never_clipped(columns: int, home: Path, model: Any, tok: Tokenizer,
+                                             tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script())
+    lines: list[str] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=(columns, 30)) as pilot:
+            await started(pilot)
+            fill_status(app.chat.status)
+            await pilot.pause(0.1)
+            lines.extend(ln for ln in screen_text(app).splitlines() if "answering" in ln)
+
+    run(scenario)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "ctx 12,345/256K" in line and "1.2 s/tok" in line, line
+    assert LONG_PLAN not in line  # the first to go
+    if columns == 120:
+        assert "Kimi-K3-Instruct" in line and "thinking high" in line, line
+
+
+def test_fitted_drops_the_plan_first_and_keeps_everything_when_it_fits() -> None:
+    fields = [("model", "K3"), ("plan", "a long memory plan"), ("phase", "ready"), ("context", "ctx 10/8K")]
+    assert fitted(fields, 200) == ["K3", "a long memory plan", "ready", "ctx 10/8K"]
+    assert fitted(fields, 30) == ["K3", "ready", "ctx 10/8K"]
+    assert fitted(fields, 0) == ["K3", "a long memory plan", "ready", "ctx 10/8K"]  # not laid out yet
+
+
+# --------------------------------------------------------------------------- command-line sampler
+
+
+def stored_session(name: str, settings: dict[str, Any]) -> str:
+    """A session with one answered turn and stored sampler settings (as the dialog stores them)."""
+    store = HistoryStore()
+    info = store.create(name, model="tiny")
+    store.append(info.id, {"role": "user", "content": "Hi"})
+    store.append(info.id, {"role": "assistant", "content": "Hello.", "thinking": False})
+    store.set_settings(info.id, settings)
+    return info.id
+
+
+def launch(model: Any, tok: Tokenizer, tiny_dir: Path, argv: list[str], session: str) -> Any:
+    """The app as `k3chat chat ARGV --session SESSION` builds it (options parsed and merged by
+    the command line's own code), on the tiny model."""
+    from k3chat.app import build_app
+    from k3chat.app.engine import Engine
+    from k3chat.cli import build_parser, chat_sampler_options, sampler_given
+    from k3chat.settings import merge_cli
+
+    args = build_parser().parse_args(["chat", *argv])
+    settings = merge_cli(Settings(thinking=False, effort="high"), chat_sampler_options(args))
+
+    def factory(model_dir: Path, s: Settings, progress: Any) -> Engine:
+        return Engine(model=model, tokenizer=tok, model_dir=tiny_dir, name="tiny", owns_model=False, context=None,
+                      conversation_options={"sampler_factory": Script()})
+
+    return build_app(tiny_dir, settings=settings, engine_factory=factory, session=session,
+                     sampler_given=sampler_given(args))
+
+
+def test_command_line_sampler_options_win_over_the_resumed_session_for_this_run(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    stored = {"sampling": True, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 42, "max_tokens": 50}
+    sid = stored_session("tuned", stored)
+    app = launch(model, tok, tiny_dir, ["--temperature", "0.3", "--max-tokens", "20"], sid)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=(150, 45)) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: app.conv is not None and not app.loading_session, "the session")
+            await pilot.pause(0.05)
+            conv = app.conv
+            seen["sampler"] = (conv.sampler.greedy, conv.sampler.temperature, conv.sampler.top_k, conv.sampler.seed)
+            seen["max_tokens"] = conv.max_tokens
+            seen["status"] = app.chat.status.parts()
+            seen["screen"] = screen_text(app)
+
+    run(scenario)
+    # the options given win; what was not given comes from the session
+    assert seen["sampler"] == (False, 0.3, 5, 42) and seen["max_tokens"] == 20
+    assert "sampling t 0.3 p 0.9 k 5" in seen["status"]
+    assert "From the command line for this run: max-tokens 20 (stored: 50), temperature 0.3 (stored: 0.7)" \
+        in " ".join(seen["screen"].split()), seen["screen"]
+    assert {k: HistoryStore().load(sid).settings[k] for k in stored} == stored  # not stored over
+
+
+def test_chat_sampler_options_are_checked_and_named(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import build_parser, main, sampler_given
+
+    assert sampler_given(build_parser().parse_args(["chat", "--top-k", "3"])) == {"top_k", "sampling"}
+    assert sampler_given(build_parser().parse_args(["chat", "--max-tokens", "3"])) == {"max_tokens"}
+    assert sampler_given(build_parser().parse_args(["chat"])) == frozenset()
+    assert main(["chat", "--demo", "--temperature", "hot"]) == 2
+    assert "--temperature" in capsys.readouterr().err
