@@ -132,3 +132,73 @@ def test_chat_sampler_options_are_checked_and_named(home: Path, capsys: pytest.C
     assert sampler_given(build_parser().parse_args(["chat"])) == frozenset()
     assert main(["chat", "--demo", "--temperature", "hot"]) == 2
     assert "--temperature" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- item 4: times in the footer
+
+
+def footers(app: Any) -> list[str]:
+    from textual.widgets import Static
+
+    from k3chat.app.widgets.transcript import AssistantMessage
+
+    out = []
+    for turn in app.chat.transcript.query(AssistantMessage):
+        footer = turn.query_one(".turn-footer", Static)
+        out.append(str(footer.render()) if footer.display else "")
+    return out
+
+
+def expected_footer(record: dict[str, Any]) -> str:
+    """The footer of a turn of the tiny model (under 10 s, over 1 token/s), written out here."""
+    speed = record["speed"]
+    return (f"first token {speed['first_token_seconds']:.2f} s \u00b7 turn {speed['turn_seconds']:.2f} s \u00b7 "
+            f"{speed['decode_tokens_per_second']:.1f} tok/s")
+
+
+def test_time_to_first_token_and_turn_time_are_stored_and_shown_after_redraw_and_resume(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " Let me see.", " It is four.")))
+    seen: dict[str, Any] = {}
+
+    async def first() -> None:
+        async with app.run_test(size=(150, 45)) as pilot:
+            await started(pilot)
+            await send(pilot, "Two plus two?")
+            seen["live"] = footers(app)
+            shown = expected_footer(HistoryStore().load(app.conv.session_id).records[-1])
+            await until(pilot, lambda: shown in screen_text(app), "the footer drawn")
+            await app.toggle_markdown()  # a redraw from the stored records
+            await pilot.pause(0.1)
+            seen["redrawn"] = footers(app)
+            seen["sid"] = app.conv.session_id
+            await pilot.press("ctrl+q")
+
+    run(first)
+    record = HistoryStore().load(seen["sid"]).records[-1]
+    speed = record["speed"]
+    assert 0 < speed["first_token_seconds"] <= speed["turn_seconds"] < 10, speed
+    assert speed["turn_seconds"] >= speed["reasoning_seconds"]  # the turn holds the reasoning
+    expected = expected_footer(record)
+    assert seen["live"] == [expected]
+    assert seen["redrawn"] == [expected]
+    again = make_app(model, tok, tiny_dir, Script(), session=seen["sid"])
+
+    async def resume() -> None:
+        async with again.run_test(size=(150, 45)) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: again.conv is not None and bool(footers(again)), "the session shown")
+            seen["resumed"] = footers(again)
+
+    run(resume)
+    assert seen["resumed"] == [expected]
+
+
+def test_a_record_without_times_has_no_footer() -> None:
+    from k3chat.app.widgets.transcript import turn_footer
+
+    assert turn_footer({"role": "assistant", "content": "x", "speed": {"decode_tokens_per_second": 3.0}}) == ""
+    assert turn_footer({"role": "assistant", "content": "x"}) == ""
+    assert turn_footer({"role": "assistant", "content": "x", "speed": {"first_token_seconds": 75.0,
+                                                                         "turn_seconds": 130.4}}) == \
+        "first token 1 min 15 s \u00b7 turn 2 min 10 s"

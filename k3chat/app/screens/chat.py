@@ -237,6 +237,7 @@ class ChatScreen(Screen[None]):
                             (f"interrupted: {result.message}" if result.message else "interrupted"))
         elif not result.saved:
             turn.set_status("NOT saved")
+        turn.set_footer(result.record)
         turn.live = False
 
     async def turn_over(self) -> None:

@@ -23,6 +23,7 @@ from k3chat.conversation import stop_message
 
 from ..text import literal, neutralise
 from .reasoning import ReasoningBlock
+from .status import format_speed
 
 
 def _hard_breaks(state: Any) -> None:
@@ -169,11 +170,13 @@ class AssistantMessage(Vertical):
                                                 interrupted=interrupted and not record.get("content"))
             self.answer = AnswerBlock(str(record.get("content", "")), markdown=markdown)
             self._status = turn_status(record)
+            self._footer = turn_footer(record)
         else:
             if thinking:
                 self.reasoning = ReasoningBlock(live=live, mode=mode)
             self.answer = AnswerBlock(markdown=markdown, live=live)
             self._status = ""
+            self._footer = ""
 
     def compose(self) -> ComposeResult:
         yield Static("K3", classes="speaker", markup=False)
@@ -184,6 +187,9 @@ class AssistantMessage(Vertical):
         status.display = bool(self._status)
         status.set_class(bool(self._status), "-warning")  # as set_status draws it live
         yield status
+        footer = Static(Content(self._footer), classes="turn-footer", markup=False)
+        footer.display = bool(self._footer)
+        yield footer
 
     def set_status(self, text: str, *, warning: bool = True) -> None:
         self._status = text
@@ -191,6 +197,39 @@ class AssistantMessage(Vertical):
         status.update(literal(text))
         status.display = bool(text)
         status.set_class(warning, "-warning")
+
+
+    def set_footer(self, record: Mapping[str, Any]) -> None:
+        """The turn's times and speed, from its stored record (as a redraw or a resume shows them)."""
+        self._footer = turn_footer(record)
+        footer = self.query_one(".turn-footer", Static)
+        footer.update(literal(self._footer))
+        footer.display = bool(self._footer)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+def turn_footer(record: Mapping[str, Any]) -> str:
+    """The line under an answer: time to the first token, the whole turn, decoding speed (each
+    only when the record stores it: older records have no times)."""
+    speed = record.get("speed") if isinstance(record.get("speed"), Mapping) else {}
+    parts = []
+    first, whole = speed.get("first_token_seconds"), speed.get("turn_seconds")
+    if isinstance(first, (int, float)) and first > 0:
+        parts.append(f"first token {_duration(first)}")
+    if isinstance(whole, (int, float)) and whole > 0:
+        parts.append(f"turn {_duration(whole)}")
+    decode = speed.get("decode_tokens_per_second")
+    if parts and isinstance(decode, (int, float)) and decode > 0:
+        parts.append(format_speed(decode))
+    return " \u00b7 ".join(parts)
 
 
 def turn_status(record: Mapping[str, Any]) -> str:
