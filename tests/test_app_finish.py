@@ -202,3 +202,57 @@ def test_a_record_without_times_has_no_footer() -> None:
     assert turn_footer({"role": "assistant", "content": "x", "speed": {"first_token_seconds": 75.0,
                                                                          "turn_seconds": 130.4}}) == \
         "first token 1 min 15 s \u00b7 turn 2 min 10 s"
+
+
+# --------------------------------------------------------------------------- item 2: vim-style movement
+
+
+def test_vim_keys_move_between_blocks_only_when_on_and_never_while_typing(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a", " One."), answer(tok, " b", " Two.")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=(150, 45)) as pilot:
+            await started(pilot)
+            await send(pilot, "First")
+            await send(pilot, "Second")
+            blocks = app.chat.transcript.blocks()
+            assert [type(b).__name__ for b in blocks] == ["UserMessage", "ReasoningBlock", "AnswerBlock"] * 2
+            await pilot.press("tab")  # the newest reasoning
+            assert app.focused is blocks[4]
+            await pilot.press("j", "G")
+            assert app.focused is blocks[4]  # off by default: nothing moves
+            app.toggle_vim_keys()
+            await pilot.press("j")
+            assert app.focused is blocks[5]
+            await pilot.press("j")
+            assert app.focused is blocks[5]  # j stops at the last block
+            await pilot.press("g")
+            assert app.focused is blocks[0]
+            await pilot.press("k")
+            assert app.focused is blocks[0]  # k stops at the first
+            await pilot.press("j", "j")
+            assert app.focused is blocks[2]
+            await pilot.press("G")
+            assert app.focused is blocks[5]
+            await pilot.press("k")
+            assert app.focused is blocks[4]
+            await pilot.press("escape")  # back to the input: the keys are letters again
+            assert app.focused is app.chat.prompt
+            await pilot.press("j", "k", "g", "G")
+            assert app.chat.prompt.text == "jkgG"
+            assert app.focused is app.chat.prompt
+
+    run(scenario)
+
+
+def test_vim_keys_are_a_config_setting(home: Path, tmp_path: Path) -> None:
+    from k3chat.settings import SettingsError, load_settings
+
+    config = tmp_path / "config.toml"
+    config.write_text("vim_keys = true\n")
+    assert load_settings(config).vim_keys is True
+    assert load_settings(tmp_path / "none.toml").vim_keys is False  # off by default
+    config.write_text('vim_keys = "yes"\n')
+    with pytest.raises(SettingsError, match="vim_keys"):
+        load_settings(config)

@@ -174,6 +174,7 @@ class K3ChatApp(App[int]):
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
         self.markdown = True
+        self.vim_keys = settings.vim_keys  # j/k, g/G in the transcript (config.toml; the palette for this run)
         self.thinking = settings.thinking  # this session's (status bar, palette); kept in its history
         self.effort = settings.effort
         # A session starts with the launch settings; one given on the command line also
@@ -1143,6 +1144,14 @@ class K3ChatApp(App[int]):
             block.set_mode(mode)
         self.say(f"Reasoning blocks: {mode}")
 
+    def toggle_vim_keys(self) -> None:
+        self.vim_keys = not self.vim_keys
+        if self.vim_keys:
+            self.say("Vim-style movement on for this run: j/k next/previous block, g/G first/last, when a block "
+                     "has the focus (tab). vim_keys = true in config.toml keeps it on.")
+        else:
+            self.say("Vim-style movement off")
+
     async def toggle_markdown(self) -> None:
         if self.busy:
             self.say("change the answer format after this answer", warning=True)
@@ -1199,6 +1208,9 @@ class K3ChatApp(App[int]):
                 "auto": "Open while thinking, folded when the answer starts",
                 "hidden": "Do not show reasoning"}[mode], partial(self.set_reasoning_display, mode))
         yield SystemCommand("Answers: Markdown / plain text", "Switch how answers are drawn", self.toggle_markdown)
+        yield SystemCommand(f"Vim-style movement: {'off' if self.vim_keys else 'on'}",
+                            "j/k, g/G between blocks of the transcript (for this run; vim_keys in config.toml)",
+                            self.toggle_vim_keys)
         yield SystemCommand("View last reasoning", "Full screen, with search (v on a block)", self.view_last_reasoning)
         yield SystemCommand("Copy last answer", "To the clipboard", self.copy_last_answer)
         yield SystemCommand("Export this session", "Markdown, JSON or JSONL, private file", self.export_current)

@@ -57,6 +57,11 @@ class ChatScreen(Screen[None]):
         Binding("tab", "tab", show=False),
         Binding("escape", "escape", show=False),
         Binding("question_mark", "app.help", "Help", show=False),
+        # vim-style movement (vim_keys in config.toml, or the palette): never while typing
+        Binding("j", "vim_block(1)", "Next block", show=False, id="vim_next"),
+        Binding("k", "vim_block(-1)", "Previous block", show=False, id="vim_previous"),
+        Binding("g", "vim_end(0)", "First block", show=False, id="vim_first"),
+        Binding("G", "vim_end(-1)", "Last block", show=False, id="vim_last"),
     ]
 
     def __init__(self) -> None:
@@ -322,6 +327,28 @@ class ChatScreen(Screen[None]):
             index = len(blocks) - 1 if step < 0 else 0
         blocks[index].focus()
         blocks[index].scroll_visible(animate=False)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The vim keys only when turned on and a transcript block has the focus: anywhere
+        else (the message box above all) the key is typed or does what it does there."""
+        if action.startswith("vim_"):
+            return self.k3.vim_keys and self.focused in self.transcript.blocks()
+        return True
+
+    def action_vim_block(self, step: int) -> None:
+        """j / k: the next or previous block, stopping at either end (alt+down leaves for the input)."""
+        blocks = self.transcript.blocks()
+        if self.focused in blocks:
+            target = blocks[max(0, min(len(blocks) - 1, blocks.index(self.focused) + step))]
+            target.focus()
+            target.scroll_visible(animate=False)
+
+    def action_vim_end(self, index: int) -> None:
+        """g / G: the first or the last block."""
+        blocks = self.transcript.blocks()
+        if blocks:
+            blocks[index].focus()
+            blocks[index].scroll_visible(animate=False)
 
     def action_tab(self) -> None:
         """From the message box, to the newest reasoning block (the one just read), else the
