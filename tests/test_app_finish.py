@@ -256,3 +256,53 @@ def test_vim_keys_are_a_config_setting(home: Path, tmp_path: Path) -> None:
     config.write_text('vim_keys = "yes"\n')
     with pytest.raises(SettingsError, match="vim_keys"):
         load_settings(config)
+
+
+# --------------------------------------------------------------------------- item 3: one code block
+
+
+CODE_ANSWER = ("Two ways:\n\n```python\nprint('[bold]hi[/bold]')\nx = 1\n```\n\nor, in a shell:\n\n"
+               "```sh\necho $HOME\n```\n\nand plainly:\n\n    indented = True\n")
+
+
+def test_b_copies_the_code_blocks_of_the_focused_answer_one_by_one_and_digits_pick_one(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from test_app import notices
+
+    from k3chat.app.widgets.transcript import AnswerBlock
+
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a", CODE_ANSWER), answer(tok, " b", "No code.")),
+                   max_tokens=200)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(150, 45)) as pilot:
+            await started(pilot)
+            await send(pilot, "Show me")
+            answer_block = app.chat.query_one(AnswerBlock)
+            assert answer_block.text == CODE_ANSWER
+            await pilot.press("tab", "alt+down")
+            assert app.focused is answer_block
+            await pilot.press("b")
+            assert app.clipboard == "print('[bold]hi[/bold]')\nx = 1\n"  # the model's text, markup and all
+            assert notices(app)[-1] == "Copied code block 1 of 3 (python, 2 lines)"
+            await pilot.press("b")
+            assert app.clipboard == "echo $HOME\n" and notices(app)[-1] == "Copied code block 2 of 3 (sh, 1 line)"
+            await pilot.press("b")
+            assert app.clipboard == "indented = True\n"
+            assert notices(app)[-1] == "Copied code block 3 of 3 (no language given, 1 line)"
+            await pilot.press("b")  # round again
+            assert notices(app)[-1] == "Copied code block 1 of 3 (python, 2 lines)"
+            await pilot.press("2")
+            assert app.clipboard == "echo $HOME\n"
+            await pilot.press("7")
+            assert notices(app)[-1] == "This answer has 3 code blocks" and app.clipboard == "echo $HOME\n"
+            await pilot.press("escape")
+            await send(pilot, "And now?")
+            await pilot.press("tab", "alt+down")
+            assert app.focused is app.chat.query(AnswerBlock).last()
+            await pilot.press("b")
+            assert notices(app)[-1] == "This answer has no code block" and app.clipboard == "echo $HOME\n"
+            await pilot.press("escape", "b", "2")
+            assert app.chat.prompt.text == "b2"  # typing: never a copy
+
+    run(scenario)

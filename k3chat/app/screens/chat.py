@@ -19,7 +19,7 @@ from textual.widgets import Footer, Markdown, ProgressBar, Static
 
 from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone
 
-from ..text import literal
+from ..text import literal, one_line
 from ..widgets.prompt import PromptInput
 from ..widgets.reasoning import ReasoningBlock
 from ..widgets.status import StatusBar
@@ -385,6 +385,14 @@ class ChatScreen(Screen[None]):
             return
         self.app.copy_to_clipboard(event.text)
         self.k3.say(f"Copied the {event.what} ({len(event.text):,} characters)")
+
+    def on_answer_block_code_copy_requested(self, event: AnswerBlock.CodeCopyRequested) -> None:
+        event.stop()
+        block = event.block
+        self.app.copy_to_clipboard(block.code)
+        language = one_line(block.language, 30) if block.language else "no language given"
+        self.k3.say(f"Copied code block {event.number} of {event.count} ({language}, {block.lines:,} "
+                    f"line{'s' if block.lines != 1 else ''})")
 
     def on_reasoning_block_view_requested(self, event: ReasoningBlock.ViewRequested) -> None:
         event.stop()

@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
@@ -42,6 +43,29 @@ def safe_markdown_parser() -> MarkdownIt:
     md = MarkdownIt("gfm-like", {"html": False, "linkify": False, "breaks": True, "typographer": False})
     md.core.ruler.push("k3chat_hard_breaks", _hard_breaks)
     return md
+
+
+class CodeBlock:
+    """One fenced or indented code block of an answer, as the Markdown view shows it."""
+
+    def __init__(self, code: str, language: str) -> None:
+        self.code = code
+        self.language = language
+
+    @property
+    def lines(self) -> int:
+        return len(self.code.splitlines())
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    """The code blocks of ``text`` in order, parsed by the parser that draws answers (so the
+    numbers match what is on the screen); the code is the model's text exactly."""
+    blocks = []
+    for token in safe_markdown_parser().parse(text):
+        if token.type in ("fence", "code_block"):
+            info = token.info.split()
+            blocks.append(CodeBlock(token.content, info[0] if info and token.type == "fence" else ""))
+    return blocks
 
 
 class _Block(Widget, can_focus=True):
@@ -78,8 +102,17 @@ class UserMessage(_Block):
 class AnswerBlock(_Block):
     """The answer: Markdown (streamed) or plain text."""
 
-    BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True)]
+    BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True),
+                Binding("b", "copy_code", "Copy code", show=True),
+                *(Binding(str(n), f"copy_code({n})", show=False) for n in range(1, 10))]
     what = "answer"
+
+    class CodeCopyRequested(Message):
+        """Copy one code block of this answer (``number`` of ``count``)."""
+
+        def __init__(self, block: CodeBlock, number: int, count: int) -> None:
+            super().__init__()
+            self.block, self.number, self.count = block, number, count
 
     def __init__(self, text: str = "", *, markdown: bool = True, live: bool = False) -> None:
         super().__init__(classes="answer")
@@ -94,10 +127,26 @@ class AnswerBlock(_Block):
             else Static(literal(text), classes="plain", markup=False))
         self._placeholder = Static(self._placeholder_text(), classes="answer-placeholder", markup=False)
         self._placeholder.display = not text
+        self._code_number = 0  # the code block b copied last (b copies the next one)
 
     @property
     def text(self) -> str:
         return "".join(self._parts)
+
+    def action_copy_code(self, number: int | None = None) -> None:
+        """b: the next code block of this answer (the first after the last); 1-9: that one."""
+        blocks = code_blocks(self.text)
+        if not blocks:
+            self.app.notify("This answer has no code block", markup=False)
+            return
+        if number is None:
+            number = self._code_number % len(blocks) + 1
+        elif number > len(blocks):
+            self.app.notify(f"This answer has {len(blocks)} code block{'s' if len(blocks) > 1 else ''}",
+                            markup=False)
+            return
+        self._code_number = number
+        self.post_message(self.CodeCopyRequested(blocks[number - 1], number, len(blocks)))
 
     def compose(self) -> ComposeResult:
         yield self._body
