@@ -306,3 +306,52 @@ def test_b_copies_the_code_blocks_of_the_focused_answer_one_by_one_and_digits_pi
             assert app.chat.prompt.text == "b2"  # typing: never a copy
 
     run(scenario)
+
+
+# --------------------------------------------------------------------------- item 6: help lists every key
+
+
+HELP_SECTIONS = {"everywhere": "chat", "chat": "chat", "a reasoning block": "chat", "an answer": "chat",
+                 "your message": "chat", "session browser": "Session browser (ctrl+s)",
+                 "reasoning viewer": "Reasoning viewer (v)", "settings dialog": "Settings dialog (ctrl+o)",
+                 "a question": "Questions and this help", "help": "Questions and this help"}
+CHAT_SECTIONS = ("Writing", "While the model answers", "Reading", "Elsewhere")
+
+
+def help_keys(title: str) -> set[str]:
+    """The keys the help screen names in a section ("chat": the chat screen's four)."""
+    import re
+
+    from k3chat.app.screens.help import KEYS
+
+    titles = CHAT_SECTIONS if title == "chat" else (title,)
+    keys: set[str] = set()
+    for section, rows in KEYS:
+        if section in titles:
+            for cell, _ in rows:
+                for key in re.split(r"[,\s]+", cell):
+                    keys.update(str(n) for n in range(1, 10)) if key == "1-9" else keys.add(key)
+    return keys
+
+
+def test_the_help_screen_lists_every_key_binding_of_the_app() -> None:
+    from k3chat.app.keys import PLACES, binding_rows
+    from k3chat.app.screens.help import ABOUT, KEYS
+
+    assert {title for title, _ in KEYS} >= set(CHAT_SECTIONS) | {s for s in HELP_SECTIONS.values() if s != "chat"}
+    assert {place for place, _ in PLACES} == set(HELP_SECTIONS)
+    missing = [(place, key) for place, keys, _, _ in binding_rows() for key in keys
+               if key not in help_keys(HELP_SECTIONS[place])]
+    assert missing == [], f"bindings the help screen does not list: {missing}"
+    ids = [binding_id for *_, binding_id in binding_rows() if binding_id]
+    assert len(ids) >= 15 and [i for i in ids if i not in ABOUT] == []  # every [keys] name is given
+
+
+def test_the_keys_table_is_generated_from_the_bindings() -> None:
+    from k3chat.app.keys import markdown_table
+
+    table = markdown_table()
+    assert "| an answer | `b` | Copy code |  |" in table
+    assert "| an answer | `1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9` | Copy that code block |  |" in table
+    assert "| chat | `G` | Last block | vim_last |" in table
+    assert "| help | `escape`, `q`, `f1`, `?` | Close |  |" in table

@@ -104,7 +104,7 @@ class AnswerBlock(_Block):
 
     BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True),
                 Binding("b", "copy_code", "Copy code", show=True),
-                *(Binding(str(n), f"copy_code({n})", show=False) for n in range(1, 10))]
+                *(Binding(str(n), f"copy_code({n})", "Copy that code block", show=False) for n in range(1, 10))]
     what = "answer"
 
     class CodeCopyRequested(Message):
