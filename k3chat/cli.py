@@ -153,6 +153,11 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                        help="reasoning effort (default max, or config.toml)")
     think.add_argument("--no-think", action="store_true", help="answer without reasoning")
+    # Given here, these win over a resumed session's stored settings for this run (not stored).
+    c.add_argument("--temperature", metavar="X", help="sampling temperature (> 0); implies sampling")
+    c.add_argument("--top-p", metavar="P", help="nucleus mass (0 < P <= 1); implies sampling")
+    c.add_argument("--top-k", metavar="K", help="keep the K likeliest ids (0 = off); implies sampling")
+    c.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
@@ -267,7 +272,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "memory": args.memory,
         "effort": args.thinking_effort,
         "thinking": False if args.no_think else (True if args.thinking_effort else None),
-        "max_tokens": args.max_tokens,
+        **chat_sampler_options(args),
         "remote": args.remote,
         "remote_model": args.remote_model,
         "api_key_file": args.api_key_file,
@@ -282,6 +287,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if settings.remote is not None:
         return _chat_remote(args, settings)
     return _chat_local(args, settings)
+
+
+def chat_sampler_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """`chat`'s sampler options as Settings fields (None: not given)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "max_tokens": args.max_tokens}
+
+
+def sampler_given(args: argparse.Namespace) -> frozenset[str]:
+    """The Settings fields the command line chose: they win over a resumed session's stored
+    ones for this run. A sampler value means sampling (merge_cli), so that is chosen too."""
+    given = {name for name, value in chat_sampler_options(args).items() if value is not None}
+    if given - {"max_tokens"}:
+        given.add("sampling")
+    return frozenset(given)
 
 
 def _chat_with_configured_remote(args: argparse.Namespace) -> int:
@@ -353,7 +373,8 @@ def _run_app(args: argparse.Namespace, settings: "Settings", model: object, fact
     try:
         app = build_app(model, settings=settings, demo=args.demo, engine_factory=factory,  # type: ignore[arg-type]
                         session=args.session, memory=memory, threads=args.threads, context=args.context,
-                        thinking_given=bool(args.no_think or args.thinking_effort))
+                        thinking_given=bool(args.no_think or args.thinking_effort),
+                        sampler_given=sampler_given(args))
     except AppUsageError as exc:
         return usage_error(str(exc))
     except VaultError as exc:  # the passphrase is asked here, before the screen starts

@@ -847,6 +847,8 @@ class Conversation:
         try:
             while not stop:
                 token = int(sampler.sample(logits))
+                if not generated:
+                    st.first_token_s = time.perf_counter() - t0
                 generated.append(token)
                 for channel, text in parser.push(token):
                     if channel == "content" and phase != "answer":
@@ -885,6 +887,7 @@ class Conversation:
             self._save_quietly(st, generated)
             raise
         st.decode_s = time.perf_counter() - t1
+        st.turn_s = time.perf_counter() - t0
         self._flush(parser, emit, phase)
         return self._finish(st, generated, stop, emit)
 
@@ -931,6 +934,11 @@ class Conversation:
             speed["prefill_tokens_per_second"] = round((st.prompt_tokens - st.reused) / st.prefill_s, 3)
         if st.decode_s > 0 and len(generated) > 1:
             speed["decode_tokens_per_second"] = round((len(generated) - 1) / st.decode_s, 3)
+        if generated and st.first_token_s > 0:
+            speed["first_token_seconds"] = round(st.first_token_s, 3)  # from the start of the prefill
+        turn_s = st.turn_s or st.prefill_s + st.decode_s  # a turn that failed has no end time of its own
+        if turn_s > 0:
+            speed["turn_seconds"] = round(turn_s, 3)  # prefill to the last sampled id
         if speed:
             rec["speed"] = speed
         return rec
@@ -1122,6 +1130,8 @@ class _TurnState:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     reasoning_s: float = 0.0  # from the first sampled id to the start of the answer
+    first_token_s: float = 0.0  # from the start of the prefill to the first sampled id
+    turn_s: float = 0.0  # from the start of the prefill to the last sampled id
 
 
 __all__ = [

@@ -578,8 +578,14 @@ class RemoteConversation:
         prompt, cached, completion = self._counts(stream)
         rec["tokens"] = {"prompt": prompt, "reused": cached, "prefilled": prompt - cached, "generated": completion}
         prefill_s, decode_s = self._seconds(stream, started)
+        speed: dict[str, float] = {}
         if decode_s > 0 and completion > 1:
-            rec["speed"] = {"decode_tokens_per_second": round((completion - 1) / decode_s, 3)}
+            speed["decode_tokens_per_second"] = round((completion - 1) / decode_s, 3)
+        if stream.first_at is not None:  # as the local backend: first text, and the whole turn, seen from here
+            speed["first_token_seconds"] = round(prefill_s, 3)
+            speed["turn_seconds"] = round(prefill_s + decode_s, 3)
+        if speed:
+            rec["speed"] = speed
         return rec
 
     def _seconds(self, stream: _Stream, started: float) -> tuple[float, float]:

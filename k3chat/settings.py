@@ -6,6 +6,7 @@ Example (every key optional)::
     memory = "12G"            # a size (K/M/G/T), "auto", or a preset name
     max_tokens = 4096         # per-turn generation limit G (spec 5.2)
     theme = "default"
+    vim_keys = false          # the app: j/k, g/G move between blocks of the transcript
     remote = "https://k3.example:8000"   # an OpenAI-compatible server instead of the local model
     remote_model = "kimi-k3"             # omit for the server's first model
     api_key_file = "~/.config/k3chat/api-key"  # else K3CHAT_API_KEY; never stored in history
@@ -84,6 +85,7 @@ class Settings:
     max_tokens: int = 4096
     theme: str = "default"
     reasoning_display: str = "auto"
+    vim_keys: bool = False  # the app's j/k, g/G in the transcript (never while typing)
     keys: dict[str, str] = field(default_factory=dict)
     remote: str | None = None  # the API base of a remote server (k3chat.remote), normalised
     remote_model: str | None = None
@@ -236,6 +238,7 @@ _TOML_KEYS: dict[str, tuple[str, Callable[[object], Any]]] = {
     "memory": ("memory", _memory),
     "max_tokens": ("max_tokens", _max_tokens),
     "theme": ("theme", _theme),
+    "vim_keys": ("vim_keys", _boolean),
     "remote": ("remote", _remote),
     "remote_model": ("remote_model", _remote_model),
     "api_key_file": ("api_key_file", _key_file),

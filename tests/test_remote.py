@@ -169,6 +169,8 @@ def test_a_recorded_vllm_stream_is_shown_and_stored_like_a_local_turn(
     record = HistoryStore().load(doc["session"]).records[-1]
     assert (record["reasoning_content"], record["content"]) == (REASONING, ANSWER)
     assert "interrupted" not in record and record["remote"] == peer.url + "/v1"
+    speed = record["speed"]  # time to the first text and for the whole turn, as a local turn stores them
+    assert 0 < speed["first_token_seconds"] <= speed["turn_seconds"], speed
 
 
 @pytest.mark.timeout(60)

@@ -164,7 +164,7 @@ class K3ChatApp(App[int]):
     def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
                  engine_factory: EngineFactory, session: SessionInfo | None = None,
                  new_session_name: str | None = None, store: HistoryStore | None = None,
-                 thinking_given: bool = False) -> None:
+                 thinking_given: bool = False, sampler_given: frozenset[str] = frozenset()) -> None:
         teach_alt_enter()
         super().__init__()
         self.settings = settings
@@ -176,11 +176,15 @@ class K3ChatApp(App[int]):
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
         self.markdown = True
+        self.vim_keys = settings.vim_keys  # j/k, g/G in the transcript (config.toml; the palette for this run)
         self.thinking = settings.thinking  # this session's (status bar, palette); kept in its history
         self.effort = settings.effort
         # A session starts with the launch settings; one given on the command line also
         # overrides what the session resumed at launch had stored.
         self._thinking_given = thinking_given
+        # Sampler fields given on the command line: they win over every resumed session's
+        # stored ones for this run, and are not stored (the settings dialog stores).
+        self._sampler_given = sampler_given
         self.chat_settings = settings  # this session's sampler and max tokens (settings dialog, ctrl+o)
         self.system_prompt = ""  # this session's (sent with its first message)
         self._next_system: str | None = None  # chosen in a started session: for the next new one
@@ -443,14 +447,25 @@ class K3ChatApp(App[int]):
         """Thread: give ``conv`` its session's sampler and max tokens (stored by the settings
         dialog), checked as the command line checks them; the launch values and a note when a
         stored value is refused."""
+        stored = {k: v for k, v in conv.session_settings.items() if k not in self._sampler_given}
         try:
-            own = with_session_values(self.settings, conv.session_settings)
+            own = with_session_values(self.settings, stored)
         except Exception as exc:
             own, note = self.settings, f"this session's stored settings were refused ({exc}); the launch settings are used"
         else:
-            note = None
+            note = self._command_line_note(conv.session_settings, own)
         self._give_sampler(conv, own)
         return own, note
+
+    def _command_line_note(self, stored: Mapping[str, Any], own: Settings) -> str | None:
+        """What the command line changed of a session's stored sampler, said once it is open."""
+        mine = session_values(own)
+        changed = [name for name in sorted(self._sampler_given) if name in stored and stored[name] != mine[name]]
+        if not changed:
+            return None
+        what = ", ".join(f"{name.replace('_', '-')} {mine[name]} (stored: {stored[name]})" for name in changed)
+        return (f"From the command line for this run: {what}. The session keeps its stored settings; "
+                "ctrl+o stores new ones.")
 
     @staticmethod
     def _give_sampler(conv: Conversation, own: Settings) -> None:
@@ -1199,6 +1214,14 @@ class K3ChatApp(App[int]):
             block.set_mode(mode)
         self.say(f"Reasoning blocks: {mode}")
 
+    def toggle_vim_keys(self) -> None:
+        self.vim_keys = not self.vim_keys
+        if self.vim_keys:
+            self.say("Vim-style movement on for this run: j/k next/previous block, g/G first/last, when a block "
+                     "has the focus (tab). vim_keys = true in config.toml keeps it on.")
+        else:
+            self.say("Vim-style movement off")
+
     async def toggle_markdown(self) -> None:
         if self.busy:
             self.say("change the answer format after this answer", warning=True)
@@ -1257,6 +1280,9 @@ class K3ChatApp(App[int]):
                 "auto": "Open while thinking, folded when the answer starts",
                 "hidden": "Do not show reasoning"}[mode], partial(self.set_reasoning_display, mode))
         yield SystemCommand("Answers: Markdown / plain text", "Switch how answers are drawn", self.toggle_markdown)
+        yield SystemCommand(f"Vim-style movement: {'off' if self.vim_keys else 'on'}",
+                            "j/k, g/G between blocks of the transcript (for this run; vim_keys in config.toml)",
+                            self.toggle_vim_keys)
         yield SystemCommand("View last reasoning", "Full screen, with search (v on a block)", self.view_last_reasoning)
         yield SystemCommand("Copy last answer", "To the clipboard", self.copy_last_answer)
         yield SystemCommand("Export this session", "Markdown, JSON or JSONL, private file", self.export_current)
@@ -1265,12 +1291,14 @@ class K3ChatApp(App[int]):
 def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = False,
               engine_factory: EngineFactory | None = None, session: str | None = None,
               memory: str | None = None, threads: int | None = None, context: int | None = None,
-              store: HistoryStore | None = None, thinking_given: bool = False) -> K3ChatApp:
+              store: HistoryStore | None = None, thinking_given: bool = False,
+              sampler_given: frozenset[str] = frozenset()) -> K3ChatApp:
     """The app for ``model_dir`` (or the demo model). ``session`` is an id or a name: resumed if
     it exists, else the name of the session the first message creates. ``engine_factory``
     replaces the way the model is opened (tests); the default plans ``memory`` and opens it.
     ``thinking_given``: the settings' thinking came from the command line, so it overrides
-    the one the resumed session has stored."""
+    the one the resumed session has stored. ``sampler_given``: the Settings fields of the
+    sampler the command line gave; they win over every resumed session's stored ones."""
     if model_dir is None and not demo:
         raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
     if demo:
@@ -1290,7 +1318,7 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
     return K3ChatApp(Path(model_dir) if model_dir is not None else None, settings=settings, demo=demo,
                      engine_factory=engine_factory, session=info,
                      new_session_name=session if info is None else None, store=store,
-                     thinking_given=thinking_given)
+                     thinking_given=thinking_given, sampler_given=sampler_given)
 
 
 def _default_factory(model_dir: Path, settings: Settings, progress: Callable[[str], None], *,

@@ -20,7 +20,7 @@ from textual.widgets import Footer, Markdown, ProgressBar, Static
 from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, PrefillProgress, ReasoningToken, Stats, TurnDone
 from k3chat.progress import progress_figures
 
-from ..text import literal
+from ..text import literal, one_line
 from ..widgets.attachments import AttachmentBar
 from ..widgets.prompt import PromptInput
 from ..widgets.reasoning import ReasoningBlock
@@ -55,11 +55,16 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+t", "toggle_reasoning", "Fold block", priority=True, id="toggle_reasoning"),
         Binding("alt+up", "block(-1)", "Previous block", show=False, priority=True, id="previous_block"),
         Binding("alt+down", "block(1)", "Next block", show=False, priority=True, id="next_block"),
-        Binding("shift+pageup", "scroll_transcript(-1)", show=False, priority=True),
-        Binding("shift+pagedown", "scroll_transcript(1)", show=False, priority=True),
-        Binding("tab", "tab", show=False),
-        Binding("escape", "escape", show=False),
+        Binding("shift+pageup", "scroll_transcript(-1)", "Scroll up", show=False, priority=True),
+        Binding("shift+pagedown", "scroll_transcript(1)", "Scroll down", show=False, priority=True),
+        Binding("tab", "tab", "To the blocks", show=False),
+        Binding("escape", "escape", "To the input", show=False),
         Binding("question_mark", "app.help", "Help", show=False),
+        # vim-style movement (vim_keys in config.toml, or the palette): never while typing
+        Binding("j", "vim_block(1)", "Next block", show=False, id="vim_next"),
+        Binding("k", "vim_block(-1)", "Previous block", show=False, id="vim_previous"),
+        Binding("g", "vim_end(0)", "First block", show=False, id="vim_first"),
+        Binding("G", "vim_end(-1)", "Last block", show=False, id="vim_last"),
     ]
 
     def __init__(self) -> None:
@@ -269,6 +274,7 @@ class ChatScreen(Screen[None]):
                             (f"interrupted: {result.message}" if result.message else "interrupted"))
         elif not result.saved:
             turn.set_status("NOT saved")
+        turn.set_footer(result.record)
         turn.live = False
 
     async def turn_over(self) -> None:
@@ -354,6 +360,28 @@ class ChatScreen(Screen[None]):
         blocks[index].focus()
         blocks[index].scroll_visible(animate=False)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The vim keys only when turned on and a transcript block has the focus: anywhere
+        else (the message box above all) the key is typed or does what it does there."""
+        if action.startswith("vim_"):
+            return self.k3.vim_keys and self.focused in self.transcript.blocks()
+        return True
+
+    def action_vim_block(self, step: int) -> None:
+        """j / k: the next or previous block, stopping at either end (alt+down leaves for the input)."""
+        blocks = self.transcript.blocks()
+        if self.focused in blocks:
+            target = blocks[max(0, min(len(blocks) - 1, blocks.index(self.focused) + step))]
+            target.focus()
+            target.scroll_visible(animate=False)
+
+    def action_vim_end(self, index: int) -> None:
+        """g / G: the first or the last block."""
+        blocks = self.transcript.blocks()
+        if blocks:
+            blocks[index].focus()
+            blocks[index].scroll_visible(animate=False)
+
     def action_tab(self) -> None:
         """From the message box, to the newest reasoning block (the one just read), else the
         newest block; from anywhere else, the next widget as usual."""
@@ -389,6 +417,14 @@ class ChatScreen(Screen[None]):
             return
         self.app.copy_to_clipboard(event.text)
         self.k3.say(f"Copied the {event.what} ({len(event.text):,} characters)")
+
+    def on_answer_block_code_copy_requested(self, event: AnswerBlock.CodeCopyRequested) -> None:
+        event.stop()
+        block = event.block
+        self.app.copy_to_clipboard(block.code)
+        language = one_line(block.language, 30) if block.language else "no language given"
+        self.k3.say(f"Copied code block {event.number} of {event.count} ({language}, {block.lines:,} "
+                    f"line{'s' if block.lines != 1 else ''})")
 
     def on_reasoning_block_view_requested(self, event: ReasoningBlock.ViewRequested) -> None:
         event.stop()
