@@ -114,8 +114,9 @@ def feed(self, ids, **kw):
         time.sleep(float(sys.argv[1]))
     return real(self, ids, **kw)
 Session.feed = feed
-from k3chat.cli import main
-sys.exit(main(sys.argv[2:]))
+from k3chat.launch import main  # the console script's entry point, as a user runs it
+sys.argv = [sys.argv[0], *sys.argv[2:]]
+sys.exit(main())
 """
 
 
