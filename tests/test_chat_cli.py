@@ -109,9 +109,10 @@ SLOW_DRIVER = """
 import sys, time
 from k3engine.model import Session
 real = Session.feed
+SECONDS = float(sys.argv[1])
 def feed(self, ids, **kw):
     if len(ids) == 1:
-        time.sleep(float(sys.argv[1]))
+        time.sleep(SECONDS)
     return real(self, ids, **kw)
 Session.feed = feed
 from k3chat.launch import main  # the console script's entry point, as a user runs it
