@@ -312,7 +312,8 @@ def test_b_copies_the_code_blocks_of_the_focused_answer_one_by_one_and_digits_pi
 
 
 HELP_SECTIONS = {"everywhere": "chat", "chat": "chat", "a reasoning block": "chat", "an answer": "chat",
-                 "your message": "chat", "session browser": "Session browser (ctrl+s)",
+                 "your message": "chat", "an attachment chip": "Attachment chips",
+                 "file picker": "File picker (ctrl+l)", "session browser": "Session browser (ctrl+s)",
                  "reasoning viewer": "Reasoning viewer (v)", "settings dialog": "Settings dialog (ctrl+o)",
                  "a question": "Questions and this help", "help": "Questions and this help"}
 CHAT_SECTIONS = ("Writing", "While the model answers", "Reading", "Elsewhere")

@@ -9,12 +9,14 @@ from __future__ import annotations
 from textual.binding import Binding
 
 from .app import K3ChatApp
+from .screens.attach import AttachScreen
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
 from .screens.sessions import SessionsScreen
 from .screens.settings import SettingsScreen
 from .screens.viewer import ReasoningViewer
+from .widgets.attachments import AttachmentChip
 from .widgets.reasoning import ReasoningBlock
 from .widgets.transcript import AnswerBlock, UserMessage
 
@@ -25,6 +27,8 @@ PLACES: tuple[tuple[str, tuple[type, ...]], ...] = (
     ("a reasoning block", (ReasoningBlock,)),
     ("an answer", (AnswerBlock,)),
     ("your message", (UserMessage,)),
+    ("an attachment chip", (AttachmentChip,)),
+    ("file picker", (AttachScreen,)),
     ("session browser", (SessionsScreen,)),
     ("reasoning viewer", (ReasoningViewer,)),
     ("settings dialog", (SettingsScreen,)),

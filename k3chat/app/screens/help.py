@@ -65,6 +65,13 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("c", "copy the whole reasoning"),
         ("escape, q", "close (in the find box, escape closes only the find box)"),
     )),
+    ("File picker (ctrl+l)", (
+        ("enter", "in the path box or on a file in the tree: attach it (shift+tab: the tree)"),
+        ("escape", "close the picker"),
+    )),
+    ("Attachment chips", (
+        ("delete, backspace, enter", "remove the focused file from the next message"),
+    )),
     ("Settings dialog (ctrl+o)", (
         ("ctrl+s", "save (enter in a field saves too)"),
         ("escape", "cancel"),
