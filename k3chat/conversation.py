@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from k3chat import paths, statefile
-from k3chat.engine_api import EngineModel, EngineSession
+from k3chat.engine_api import EngineModel, EngineSession, VerifyingSession
 from k3chat.events import (
     AnswerToken,
     Event,
@@ -128,6 +128,12 @@ class TurnResult:
     sync_tokens: int = 0  # fed after the turn to line the state up with the stored text
     state_saved: bool = False
     engine: dict[str, int] = field(default_factory=dict)
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified
+    draft_accepted: int = 0  # ... of which the sampler produced the same token
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def generated_tokens(self) -> int:
@@ -156,6 +162,8 @@ class TurnResult:
             "saved": self.saved,
             "sync_tokens": self.sync_tokens,
             "state_saved": self.state_saved,
+            "draft_proposed": self.draft_proposed,
+            "draft_accepted": self.draft_accepted,
             "stats": dict(self.engine),
         }
 
@@ -325,10 +333,12 @@ class Conversation:
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         stats_every: int = 8,
         sampler_factory: Callable[[SamplerSettings, int], _SamplerLike] = Sampler,
+        speculative: int = 0,
     ) -> None:
         tokenizer.engine_vocab_check(model.config.vocab)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        check_speculative(speculative)
         self.model = model
         self.tokenizer = tokenizer
         self.grammar = Grammar(tokenizer)
@@ -338,6 +348,8 @@ class Conversation:
         self.effort = effort
         self.sampler = sampler or SamplerSettings()
         self.max_tokens = max_tokens
+        # drafted tokens verified per engine pass (0: one token per pass); output never changes
+        self.speculative = speculative
         model_dir = getattr(model, "dir", None)
         # N_ctx is the session's capacity, allocated once: the plan's context, never more, so
         # the state can never outgrow the memory planned for it (no growth, no second copy).
@@ -757,11 +769,16 @@ class Conversation:
         generated: list[int] = []
         self._phase = "decode"  # from here a first cancel() lets the step in flight finish
         stop = "cancelled" if self._cancel.is_set() else ""
+        # an engine that cannot verify in one pass decodes serially: the output is the same
+        verifies = isinstance(self._session, VerifyingSession)
+        spec = _Speculation(self, st) if self.speculative > 0 and verifies else None
         t1 = time.perf_counter()
         try:
             while not stop:
                 token = int(sampler.sample(logits))
                 generated.append(token)
+                if spec is not None:
+                    spec.sampled(token)
                 for channel, text in parser.push(token):
                     if channel == "content" and phase != "answer":
                         phase = "answer"
@@ -782,7 +799,10 @@ class Conversation:
                     # The step in flight completes on cancel(); only abort() sets the engine's
                     # flag during decoding, and then the step stops between layers.
                     try:
-                        logits = self._feed([token], cancellable=True)
+                        if spec is not None:
+                            logits = spec.next_logits(token, room=limit - len(generated))
+                        else:
+                            logits = self._feed([token], cancellable=True)
                     except Cancelled:
                         stop = "cancelled"  # the state is tainted; the text is kept below
                         break
@@ -791,13 +811,19 @@ class Conversation:
                         self._emit_stats(st, len(generated), emit)
         except (EngineError, SamplerError, MemoryError) as exc:
             st.decode_s = time.perf_counter() - t1
+            if spec is not None:
+                spec.settle()
             self._flush(parser, emit, phase)
             raise self._failed(st, generated, exc, emit) from exc
         except BaseException:
             # KeyboardInterrupt or a failing event handler: keep what was generated.
             st.decode_s = time.perf_counter() - t1
+            if spec is not None:
+                spec.settle()
             self._save_quietly(st, generated)
             raise
+        if spec is not None:
+            spec.settle()  # the verified positions the sampler went through are fed; no more
         st.decode_s = time.perf_counter() - t1
         self._flush(parser, emit, phase)
         return self._finish(st, generated, stop, emit)
@@ -867,6 +893,7 @@ class Conversation:
             reuse_source=st.source, reuse_note=st.note, generated_ids=list(generated),
             prefill_seconds=st.prefill_s, decode_seconds=st.decode_s, seed=None if s.greedy else s.seed,
             greedy=s.greedy, saved=saved, engine=self._engine_stats(),
+            draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted,
         )
 
     def _finish(self, st: _TurnState, generated: list[int], stop: str, emit: EventHandler) -> TurnResult:
@@ -981,7 +1008,8 @@ class Conversation:
         emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
                    prefilled_tokens=st.prompt_tokens - st.reused, generated_tokens=n_generated,
                    prefill_seconds=st.prefill_s, decode_seconds=st.decode_s,
-                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats()))
+                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats(),
+                   draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted))
 
 
 @dataclass
@@ -997,11 +1025,81 @@ class _TurnState:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     reasoning_s: float = 0.0  # from the first sampled id to the start of the answer
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
+MAX_SPECULATIVE = 64  # drafted tokens per verify pass; the verify record grows with it
+
+
+def check_speculative(n: object) -> int:
+    """A valid --speculative / config value (0 = off), else ValueError saying what is wrong."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be a whole number of drafted tokens from 0 (off) to "
+                         f"{MAX_SPECULATIVE}, got {n!r}")
+    return n
+
+
+class _Speculation:
+    """One turn's exact speculative decoding (issue 10): the drafter proposes what followed
+    the latest match of the last tokens; the sampled token plus the draft are verified in one
+    engine pass; the sampler then draws once per position from the verified logits, exactly
+    as serial decoding would, and the draft is used while it equals what was sampled. Only
+    the positions the sampler went through are accepted into the session (``settle``), so
+    the state and ``_fed`` end where serial decoding's do."""
+
+    def __init__(self, conv: Conversation, st: _TurnState) -> None:
+        from k3chat.speculative import NgramDrafter
+
+        session = conv._live
+        assert isinstance(session, VerifyingSession)
+        self.session: VerifyingSession = session
+        self.conv, self.st = conv, st
+        self.drafter = NgramDrafter(conv._fed or [], stop_ids=conv.grammar.end_ids)
+        self.block: list[int] = []  # the verified positions: the sampled token, then the draft
+        self.rows: Any = None  # rows[i]: the logits after block[i]
+        self.used = 0  # positions of the block the sampler went through
+
+    def sampled(self, token: int) -> None:
+        self.drafter.append(token)
+
+    def next_logits(self, token: int, *, room: int) -> Any:
+        """The logits after ``token`` (just sampled, to be fed); ``room``: how many more
+        tokens the turn may sample."""
+        if self.block and self.used < len(self.block) and self.block[self.used] == token:
+            self.used += 1  # the draft was right: the verify pass computed these already
+            self.st.draft_accepted += 1
+            return self.rows[self.used - 1]
+        self.settle()
+        conv = self.conv
+        space = conv._live.capacity - len(conv._fed or []) - 1  # never verify past the context
+        draft = self.drafter.propose(min(conv.speculative, room - 1, space))
+        if not draft:
+            return conv._feed([token], cancellable=True)
+        self.rows = self.session.verify([token] + draft, cancel=conv._engine_cancel)
+        self.block, self.used = [token] + draft, 1
+        self.st.draft_proposed += len(draft)
+        return self.rows[0]
+
+    def settle(self) -> None:
+        """Accept the verified positions used so far; the rest of the block is dropped. A
+        verify that failed or was cancelled left the session (and ``_fed``) as they were."""
+        if not self.block:
+            return
+        conv, keep = self.conv, self.used
+        block, self.block, self.rows, self.used = self.block, [], None, 0
+        try:
+            self.session.accept(keep)
+        except BaseException:
+            conv._fed = None
+            raise
+        assert conv._fed is not None
+        conv._fed.extend(block[:keep])
 
 
 __all__ = [
     "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
     "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings",
-    "STOPS", "stop_message",
+    "STOPS", "stop_message", "check_speculative", "MAX_SPECULATIVE",
     "Event",
 ]

@@ -160,3 +160,115 @@ def test_read_failure_mid_verify_leaves_the_session_as_it_was(tiny_dir: Path) ->
     with pytest.raises(ExpertReadError):
         s.verify(SEQ[5:9])
     assert not s.tainted and bytes(s.export_state()) == before
+
+
+# ------------------------------------------------------------------ the drafter
+
+
+def test_drafter_proposes_what_followed_the_longest_recent_match() -> None:
+    from k3chat.speculative import propose
+
+    #        0  1  2  3  4  5  6  7  8  9
+    toks = [1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2]
+    assert propose(toks, 3) == [4, 7, 8]  # "1 2" last occurred at 4..5, followed by 4 7 8
+    assert propose(toks + [3], 2) == [9, 1]  # the trigram "1 2 3" (at 0..2) is the longest match
+    assert propose([5, 6, 7], 4) == []  # nothing repeats
+    assert propose([4, 4], 3) == [4]  # a run proposes itself, up to the known tokens
+    assert propose(toks, 0) == []
+
+
+def test_drafter_never_drafts_a_stop_id() -> None:
+    from k3chat.speculative import propose
+
+    toks = [10, 11, 12, 99, 13, 10, 11]
+    assert propose(toks, 5, stop_ids={99}) == [12]  # cut before the stop id 99
+    assert propose(toks, 5, stop_ids=()) == [12, 99, 13, 10, 11]
+    assert propose([10, 99, 10], 3, stop_ids={99}) == []
+
+
+def test_drafter_index_equals_a_plain_scan() -> None:
+    """The incremental index gives what a backwards scan for the longest suffix gives."""
+    from k3chat.speculative import MAX_NGRAM, NgramDrafter
+
+    rng = np.random.default_rng(3)
+    toks = [int(x) for x in rng.integers(0, 6, size=300)]
+    d = NgramDrafter()
+    for i, t in enumerate(toks):
+        d.append(t)
+        seen = toks[:i + 1]
+        want: list[int] = []
+        for n in range(min(MAX_NGRAM, len(seen)), 0, -1):
+            suffix = seen[-n:]
+            hits = [j for j in range(len(seen) - n) if seen[j:j + n] == suffix]
+            if hits:
+                want = seen[hits[-1] + n:hits[-1] + n + 4]
+                break
+        assert d.propose(4) == want, f"after {i + 1} tokens"
+
+
+# ------------------------------------------------------------------ the conversation loop
+
+from k3chat.conversation import Conversation  # noqa: E402
+from k3chat.history import HistoryStore  # noqa: E402
+from k3chat.sampler import SamplerSettings  # noqa: E402
+from k3chat.tokenizer import Tokenizer  # noqa: E402
+
+GREEDY = SamplerSettings()
+# peaked enough that a random-weight fixture repeats itself (so drafts get verified), random enough
+# that the draws matter: a wrong draw order would change the tokens
+SEEDED = SamplerSettings(greedy=False, temperature=0.7, top_p=0.95, top_k=6, seed=1234)
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> HistoryStore:
+    monkeypatch.setenv("K3CHAT_HOME", str(tmp_path / "home"))
+    return HistoryStore()
+
+
+def _turn(m: Model, store: HistoryStore, spec: int, sampler: SamplerSettings, text: str,
+          max_tokens: int = 40, **kw: object) -> tuple[object, bytes, Conversation]:
+    conv = Conversation(m, Tokenizer.from_dir(m.dir), store, store.create("t").id, thinking=False,
+                        sampler=sampler, max_tokens=max_tokens, state_files=False, speculative=spec, **kw)
+    r = conv.send(text)
+    assert r is not None
+    return r, bytes(conv._live.export_state()), conv
+
+
+def _scripted_drafts(monkeypatch: pytest.MonkeyPatch, ref: object, kind: str, vocab: int) -> None:
+    """Replace the n-gram lookup by drafts that are all right (the serial run's own
+    continuation) or all wrong (each of those ids plus one), so every fixture verifies both."""
+    from k3chat.speculative import NgramDrafter
+
+    want, start = list(ref.generated_ids), ref.prompt_tokens
+
+    def propose(self: NgramDrafter, limit: int) -> list[int]:
+        g = len(self.tokens) - start  # tokens sampled so far
+        cont = [t for t in want[g:g + max(limit, 0)]]
+        cut = next((i for i, t in enumerate(cont) if t in self.stop_ids), len(cont))
+        cont = cont[:cut]
+        return cont if kind == "right" else [(t + 1) % vocab for t in cont]
+
+    monkeypatch.setattr(NgramDrafter, "propose", propose)
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "right", "wrong"])
+@pytest.mark.parametrize("sampler", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_turn_is_bit_identical_to_serial_decoding(any_model: Model, store: HistoryStore,
+                                                  sampler: SamplerSettings, drafts: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "Repeat after me: the cat sat on the mat, the cat sat on the mat."
+    ref, ref_state, _ = _turn(any_model, store, 0, sampler, text, max_tokens=24)
+    assert ref.draft_proposed == 0
+    if drafts != "ngram":
+        _scripted_drafts(monkeypatch, ref, drafts, any_model.vocab)
+    for n in (1, 4, 8):
+        r, state, conv = _turn(any_model, store, n, sampler, text, max_tokens=24)
+        assert r.generated_ids == ref.generated_ids, f"speculative {n} changed the output"
+        assert (r.stop, r.answer) == (ref.stop, ref.answer)
+        assert state == ref_state, f"speculative {n}: session state after the turn differs from serial"
+        assert conv._fed == conv._live.ids
+        assert 0 <= r.draft_accepted <= r.draft_proposed
+        if drafts == "right":
+            assert r.draft_proposed > 0 and r.draft_accepted == r.draft_proposed
+        if drafts == "wrong":
+            assert r.draft_proposed > 0 and r.draft_accepted == 0
