@@ -272,3 +272,118 @@ def test_turn_is_bit_identical_to_serial_decoding(any_model: Model, store: Histo
             assert r.draft_proposed > 0 and r.draft_accepted == r.draft_proposed
         if drafts == "wrong":
             assert r.draft_proposed > 0 and r.draft_accepted == 0
+
+
+class _Script:
+    """A sampler factory emitting scripted ids (the engine runs as usual underneath)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __call__(self, settings: SamplerSettings, turn: int) -> object:
+        it = iter(self.ids)
+
+        class _S:
+            def sample(self, logits: object) -> int:
+                return next(it)
+
+        return _S()
+
+
+class _VerifySpy:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, before: object = None) -> None:
+        from k3engine.model import Session
+
+        self.calls: list[tuple[int, int]] = []  # (session length, positions verified)
+        real = Session.verify
+
+        def verify(s: Session, ids: list[int], **kw: object) -> np.ndarray:
+            self.calls.append((s.length, len(ids)))
+            if before is not None:
+                before()
+            return real(s, ids, **kw)
+
+        monkeypatch.setattr(Session, "verify", verify)
+
+
+def _fixed_drafts(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
+    """Drafts read from a script: after g sampled tokens, script[g:] (ignoring stop ids)."""
+    from k3chat.speculative import NgramDrafter
+
+    def propose(self: NgramDrafter, limit: int) -> list[int]:
+        if not hasattr(self, "start"):
+            self.start = len(self.tokens) - 1  # the first lookup follows the first sampled token
+        g = len(self.tokens) - self.start
+        return script[g:g + max(limit, 0)]
+
+    monkeypatch.setattr(NgramDrafter, "propose", propose)
+
+
+def test_a_stop_sampled_inside_a_draft_ends_the_turn_and_is_never_fed(
+        tiny_dir: Path, store: HistoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = Model(tiny_dir)
+    tok = Tokenizer.from_dir(tiny_dir)
+    words = tok.encode_text(" one two three")
+    from k3chat.template import Grammar
+
+    script = words + list(Grammar(tok).closure) + [tok.end_of_msg_id]
+    # the drafts are right up to the end id, which they skip: the end is sampled with draft
+    # positions left in the block
+    _fixed_drafts(monkeypatch, script[:-1] + [7, 8, 9, 10])
+    spy = _VerifySpy(monkeypatch)
+    conv = Conversation(m, tok, store, store.create("t").id, thinking=False, state_files=False,
+                        speculative=8, sampler_factory=_Script(script))
+    r = conv.send("Count")
+    assert r is not None and r.stop == "end" and r.generated_ids == script
+    prompt = r.prompt_tokens
+    assert spy.calls and spy.calls[0][1] > len(words)  # the block reached past the end id
+    assert conv._live.ids == conv._fed and len(conv._fed) == prompt + len(script) - 1  # the end id not fed
+    serial = m.session(conv.context)
+    serial.feed(conv._fed)
+    assert bytes(conv._live.export_state()) == bytes(serial.export_state())
+
+
+def test_the_token_limit_inside_a_draft_clips_what_is_verified(
+        tiny_dir: Path, store: HistoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = Model(tiny_dir)
+    tok = Tokenizer.from_dir(tiny_dir)
+    _fixed_drafts(monkeypatch, list(range(100, 140)))
+    spy = _VerifySpy(monkeypatch)
+    limit = 6
+    conv = Conversation(m, tok, store, store.create("t").id, thinking=False, state_files=False,
+                        speculative=8, max_tokens=limit, sampler_factory=_Script(list(range(100, 140))))
+    r = conv.send("Count")
+    assert r is not None and r.stop == "limit" and r.generated_ids == list(range(100, 100 + limit))
+    # the first id comes from the prefill, the last from the last verified row: limit - 2 drafted
+    assert r.draft_accepted == r.draft_proposed == limit - 2
+    # positions verified never reach past what the turn may still sample (nor the context)
+    assert all(length + n <= r.prompt_tokens + limit - 1 for length, n in spy.calls)
+    assert conv._fed == conv._live.ids == conv._live.ids[:r.prompt_tokens] + list(range(100, 100 + limit - 1))
+
+
+def test_abort_during_a_verify_keeps_the_state_usable(tiny_dir: Path, store: HistoryStore,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    m = Model(tiny_dir)
+    tok = Tokenizer.from_dir(tiny_dir)
+    ids = tok.encode_text(" a b a b a b a b a b")
+    holder: dict[str, Conversation] = {}
+    calls = [0]
+
+    def second_ctrl_c() -> None:
+        calls[0] += 1
+        if calls[0] == 2:  # both signals arrive while the second verify is in flight
+            holder["c"].cancel()
+            holder["c"].abort()
+
+    _fixed_drafts(monkeypatch, ids)
+    _VerifySpy(monkeypatch, before=second_ctrl_c)
+    conv = holder["c"] = Conversation(m, tok, store, store.create("t").id, thinking=False, state_files=False,
+                                      speculative=3, sampler_factory=_Script(ids))
+    r = conv.send("Go")
+    assert r is not None and r.stop == "cancelled" and r.interrupted
+    # the verify was stopped between layers; the session is where it was before it, not tainted
+    assert not conv._live.tainted and conv._fed == conv._live.ids
+    assert conv._fed == conv._live.ids[:r.prompt_tokens] + r.generated_ids[:-1]
+    serial = m.session(conv.context)
+    serial.feed(conv._fed)
+    assert bytes(conv._live.export_state()) == bytes(serial.export_state())
