@@ -49,6 +49,7 @@ from k3chat.events import (
 )
 from k3chat.history import STOPS, HistoryStore
 from k3chat.sampler import Sampler, SamplerSettings
+from k3chat.speculative import Speculator
 from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
 from k3chat.tokenizer import Tokenizer
 
@@ -771,7 +772,7 @@ class Conversation:
         stop = "cancelled" if self._cancel.is_set() else ""
         # an engine that cannot verify in one pass decodes serially: the output is the same
         verifies = isinstance(self._session, VerifyingSession)
-        spec = _Speculation(self, st) if self.speculative > 0 and verifies else None
+        spec = _speculator(self) if self.speculative > 0 and verifies else None
         t1 = time.perf_counter()
         try:
             while not stop:
@@ -807,23 +808,24 @@ class Conversation:
                         stop = "cancelled"  # the state is tainted; the text is kept below
                         break
                     st.decode_s = time.perf_counter() - t1
+                    if spec is not None:
+                        st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
                     if len(generated) % self.stats_every == 0:
                         self._emit_stats(st, len(generated), emit)
         except (EngineError, SamplerError, MemoryError) as exc:
             st.decode_s = time.perf_counter() - t1
-            if spec is not None:
-                spec.settle()
+            _settle_quietly(spec, st)
             self._flush(parser, emit, phase)
             raise self._failed(st, generated, exc, emit) from exc
         except BaseException:
             # KeyboardInterrupt or a failing event handler: keep what was generated.
             st.decode_s = time.perf_counter() - t1
-            if spec is not None:
-                spec.settle()
+            _settle_quietly(spec, st)
             self._save_quietly(st, generated)
             raise
         if spec is not None:
             spec.settle()  # the verified positions the sampler went through are fed; no more
+            st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
         st.decode_s = time.perf_counter() - t1
         self._flush(parser, emit, phase)
         return self._finish(st, generated, stop, emit)
@@ -1040,61 +1042,32 @@ def check_speculative(n: object) -> int:
     return n
 
 
-class _Speculation:
-    """One turn's exact speculative decoding (issue 10): the drafter proposes what followed
-    the latest match of the last tokens; the sampled token plus the draft are verified in one
-    engine pass; the sampler then draws once per position from the verified logits, exactly
-    as serial decoding would, and the draft is used while it equals what was sampled. Only
-    the positions the sampler went through are accepted into the session (``settle``), so
-    the state and ``_fed`` end where serial decoding's do."""
+def _settle_quietly(spec: Speculator | None, st: _TurnState) -> None:
+    """After a failed step: keep what the sampler went through; the failure is what counts."""
+    if spec is None:
+        return
+    try:
+        spec.settle()
+    except Exception as exc:  # the mirror is already marked unknown: the next turn prefills
+        log.warning("verified positions not accepted after a failure: %s", exc)
+    st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
 
-    def __init__(self, conv: Conversation, st: _TurnState) -> None:
-        from k3chat.speculative import NgramDrafter
 
-        session = conv._live
-        assert isinstance(session, VerifyingSession)
-        self.session: VerifyingSession = session
-        self.conv, self.st = conv, st
-        self.drafter = NgramDrafter(conv._fed or [], stop_ids=conv.grammar.end_ids)
-        self.block: list[int] = []  # the verified positions: the sampled token, then the draft
-        self.rows: Any = None  # rows[i]: the logits after block[i]
-        self.used = 0  # positions of the block the sampler went through
+def _speculator(conv: Conversation) -> Speculator:
+    """Speculative decoding for one turn of ``conv`` (see k3chat.speculative.Speculator)."""
+    session = conv._live
+    assert isinstance(session, VerifyingSession)
 
-    def sampled(self, token: int) -> None:
-        self.drafter.append(token)
-
-    def next_logits(self, token: int, *, room: int) -> Any:
-        """The logits after ``token`` (just sampled, to be fed); ``room``: how many more
-        tokens the turn may sample."""
-        if self.block and self.used < len(self.block) and self.block[self.used] == token:
-            self.used += 1  # the draft was right: the verify pass computed these already
-            self.st.draft_accepted += 1
-            return self.rows[self.used - 1]
-        self.settle()
-        conv = self.conv
-        space = conv._live.capacity - len(conv._fed or []) - 1  # never verify past the context
-        draft = self.drafter.propose(min(conv.speculative, room - 1, space))
-        if not draft:
-            return conv._feed([token], cancellable=True)
-        self.rows = self.session.verify([token] + draft, cancel=conv._engine_cancel)
-        self.block, self.used = [token] + draft, 1
-        self.st.draft_proposed += len(draft)
-        return self.rows[0]
-
-    def settle(self) -> None:
-        """Accept the verified positions used so far; the rest of the block is dropped. A
-        verify that failed or was cancelled left the session (and ``_fed``) as they were."""
-        if not self.block:
-            return
-        conv, keep = self.conv, self.used
-        block, self.block, self.rows, self.used = self.block, [], None, 0
-        try:
-            self.session.accept(keep)
-        except BaseException:
-            conv._fed = None
-            raise
+    def fed(ids: Sequence[int]) -> None:
         assert conv._fed is not None
-        conv._fed.extend(block[:keep])
+        conv._fed.extend(int(i) for i in ids)
+
+    def lost() -> None:
+        conv._fed = None
+
+    return Speculator(session, conv._fed or [], limit=conv.speculative, stop_ids=conv.grammar.end_ids,
+                      feed=lambda ids: conv._feed(ids, cancellable=True), fed=fed, lost=lost,
+                      cancel=conv._engine_cancel)
 
 
 __all__ = [

@@ -7,7 +7,10 @@ verified in one engine pass; the sampled tokens, and so the output, never depend
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from k3chat.engine_api import VerifyingSession
 
 MAX_NGRAM = 3  # longest suffix looked up; shorter ones are tried when it never occurred
 
@@ -55,9 +58,71 @@ class NgramDrafter:
         return []
 
 
+class Speculator:
+    """One generation's exact speculative decoding over an engine session.
+
+    The drafter proposes what followed the latest match of the last tokens; the sampled token
+    plus the draft are verified in one engine pass; the caller's sampler then draws once per
+    position from the verified logits, exactly as serial decoding would, and the draft is used
+    while it equals what was sampled. Only the positions the sampler went through are accepted
+    into the session (``settle``), so the session ends where serial decoding's does.
+
+    The owner keeps a mirror of the ids its session holds: ``feed`` is its own plain feed
+    (which updates the mirror), ``fed`` is told the ids accepted after a verify, ``lost`` that
+    the mirror is unknown (an accept that failed).
+    """
+
+    def __init__(self, session: VerifyingSession, tokens: Sequence[int], *, limit: int, stop_ids: Iterable[int],
+                 feed: Callable[[Sequence[int]], Any], fed: Callable[[Sequence[int]], None],
+                 lost: Callable[[], None], cancel: Any = None) -> None:
+        self.session, self.limit = session, limit
+        self.drafter = NgramDrafter(tokens, stop_ids=stop_ids)
+        self._feed, self._fed, self._lost, self._cancel = feed, fed, lost, cancel
+        self.block: list[int] = []  # the verified positions: the sampled token, then the draft
+        self.rows: Any = None  # rows[i]: the logits after block[i]
+        self.used = 0  # positions of the block the sampler went through
+        self.proposed = 0  # drafted tokens verified
+        self.accepted = 0  # ... that the sampler then produced
+
+    def sampled(self, token: int) -> None:
+        """Every sampled token, in order (the drafter looks up the session's tokens plus it)."""
+        self.drafter.append(token)
+
+    def next_logits(self, token: int, *, room: int) -> Any:
+        """The logits after ``token`` (just sampled, to be fed); ``room``: how many more tokens
+        the generation may sample, so nothing past its limit is verified."""
+        if self.block and self.used < len(self.block) and self.block[self.used] == token:
+            self.used += 1  # the draft was right: the verify pass computed these already
+            self.accepted += 1
+            return self.rows[self.used - 1]
+        self.settle()
+        space = self.session.capacity - self.session.length - 1  # never verify past the context
+        draft = self.drafter.propose(min(self.limit, room - 1, space))
+        if not draft:
+            return self._feed([token])
+        self.rows = self.session.verify([token] + draft, cancel=self._cancel)
+        self.block, self.used = [token] + draft, 1
+        self.proposed += len(draft)
+        return self.rows[0]
+
+    def settle(self) -> None:
+        """Accept the verified positions used so far; the rest of the block is dropped. A
+        verify that failed or was cancelled left the session as it was: nothing to settle."""
+        if not self.block:
+            return
+        keep, block = self.used, self.block
+        self.block, self.rows, self.used = [], None, 0
+        try:
+            self.session.accept(keep)
+        except BaseException:
+            self._lost()
+            raise
+        self._fed(block[:keep])
+
+
 def propose(tokens: Sequence[int], limit: int, *, stop_ids: Iterable[int] = ()) -> list[int]:
     """One-shot lookup (tests and benchmarks): what ``NgramDrafter(tokens).propose`` gives."""
     return NgramDrafter(tokens, stop_ids=stop_ids).propose(limit)
 
 
-__all__ = ["MAX_NGRAM", "NgramDrafter", "propose"]
+__all__ = ["MAX_NGRAM", "NgramDrafter", "Speculator", "propose"]

@@ -54,6 +54,7 @@ class StatusBar(Static):
         self.speed = ""
         self.cache = ""
         self.per_token = ""
+        self.drafts = ""  # speculative decoding: drafted tokens the sampler confirmed
         self.context = ""
         self._base: dict[str, int] | None = None
 
@@ -91,7 +92,7 @@ class StatusBar(Static):
     def clear_speed(self) -> None:
         """Forget the last turn's speed, cache and read figures (a turn or a session starts)."""
         self._base = None
-        self.speed = self.cache = self.per_token = ""
+        self.speed = self.cache = self.per_token = self.drafts = ""
         self._show()
 
     def update_stats(self, stats: Any) -> None:
@@ -113,12 +114,17 @@ class StatusBar(Static):
         read = delta.get("expert_bytes_read", 0) + delta.get("trunk_bytes_read", 0)
         if fed > 0:
             self.per_token = f"{format_bytes(read / fed)}/tok read"
+        proposed = getattr(stats, "draft_proposed", 0)
+        if proposed:
+            accepted = getattr(stats, "draft_accepted", 0)
+            self.drafts = f"drafts {accepted}/{proposed} kept ({100 * accepted / proposed:.0f}%)"
         self.set_context(stats.context_used, stats.context_limit)
 
     # ------------------------------------------------------------------ output
 
     def parts(self) -> list[str]:
-        fields = [self.model, self.plan, self.thinking, self.sampler, self.phase, self.speed, self.cache, self.per_token, self.context]
+        fields = [self.model, self.plan, self.thinking, self.sampler, self.phase, self.speed, self.cache, self.per_token,
+                  self.drafts, self.context]
         return [one_line(f, 60) for f in fields if f]
 
     def _show(self) -> None:
