@@ -387,3 +387,82 @@ def test_abort_during_a_verify_keeps_the_state_usable(tiny_dir: Path, store: His
     serial = m.session(conv.context)
     serial.feed(conv._fed)
     assert bytes(conv._live.export_state()) == bytes(serial.export_state())
+
+
+# ------------------------------------------------------------------ the command line
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("K3CHAT_HOME", str(h))
+    return h
+
+
+def test_run_json_reports_drafts_and_the_answer_equals_serial(home: Path, tmp_path: Path) -> None:
+    """The demo model repeating a sentence: drafts from the prompt are right, the answer is the
+    serial one, and run --json says how many drafted tokens were proposed and kept."""
+    import json
+
+    from k3chat.cli import main
+
+    prompt = "Repeat after me: the little red fox jumps over the quiet brown dog."
+    got = {}
+    for n in (0, 8):
+        out = tmp_path / f"r{n}.json"
+        code = main(["run", "--demo", "--prompt", prompt, "--no-think", "--max-tokens", "40", "--threads", "2",
+                     "--speculative", str(n), "--json", str(out)])
+        assert code == 0
+        got[n] = json.loads(out.read_text())
+    assert got[8]["generated_ids"] == got[0]["generated_ids"] and got[8]["answer"] == got[0]["answer"]
+    assert (got[0]["draft_proposed"], got[0]["draft_accepted"]) == (0, 0)
+    assert got[8]["draft_proposed"] > 0 and 0 < got[8]["draft_accepted"] <= got[8]["draft_proposed"]
+
+
+def test_speculative_from_the_config_file_and_its_errors(home: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from k3chat.cli import main
+    from k3chat.demo import model_dir
+
+    (home / "config").mkdir(parents=True)
+    config = home / "config" / "config.toml"
+    config.write_text(f'model = "{model_dir()}"\nspeculative = 4\n[thinking]\nenabled = false\n')
+    out = tmp_path / "r.json"
+    assert main(["run", "--prompt", "Repeat after me: a cat.", "--max-tokens", "12", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["draft_proposed"] > 0
+    assert main(["run", "--prompt", "Repeat after me: a cat.", "--max-tokens", "12", "--speculative", "0",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["draft_proposed"] == 0  # the command line beats the file
+    capsys.readouterr()
+    config.write_text('speculative = -2\n')
+    assert main(["run", "--demo", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "line 1" in err and "speculative" in err and "from 0 (off) to 64" in err
+    config.write_text('')
+    assert main(["run", "--demo", "--prompt", "hi", "--speculative", "lots"]) == 2
+    assert "--speculative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--remote", "http://127.0.0.1:9", "--prompt", "hi", "--speculative", "4"],
+     "--speculative is for the local model"),
+    (["chat", "--remote", "http://127.0.0.1:9", "--speculative", "4"], "--speculative is for the local model"),
+    (["run", "--demo", "--ids", "1,2", "--speculative", "4"], "--speculative need --prompt"),
+])
+def test_speculative_where_it_cannot_apply_is_a_usage_error(home: Path, argv: list[str], needle: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from k3chat.cli import main
+
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_the_remote_backend_refuses_speculative_decoding(home: Path) -> None:
+    from k3chat.history import HistoryStore
+    from k3chat.remote import RemoteConversation
+
+    store = HistoryStore()
+    with pytest.raises(ValueError, match="the remote server decodes on its own"):
+        RemoteConversation(None, "m", store, store.create("r").id, speculative=4)  # type: ignore[arg-type]
