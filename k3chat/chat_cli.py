@@ -382,7 +382,7 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     created: SessionInfo | None = None
     try:
         opened = open_model(model_dir, memory=memory, context=context, threads=args.threads,
-                            lookahead=args.lookahead, scalar=args.scalar)
+                            lookahead=args.lookahead, scalar=args.scalar, speculative=settings.speculative)
         if signals.requested.is_set():
             opened.close()
             return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)

@@ -166,6 +166,7 @@ int k3_session_accept(k3_session *s, int32_t keep) {
     kda_accept(s->m, &s->st, &s->draft, keep);
     memcpy(s->st.ids + s->st.len, s->draft.ids, sizeof(int32_t) * (size_t)keep);
     s->st.len += keep; /* MLA rows of the kept positions were written by the verify feed */
+    __atomic_add_fetch(&s->m->stats.tokens_fed, (uint64_t)keep, __ATOMIC_RELAXED);
     s->draft.n = 0;
     return K3_OK;
 }

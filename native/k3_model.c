@@ -200,8 +200,7 @@ int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n,
     int rc = km_chunk(m, st, ids, n, logits_all, 1, cancel, d, err, errlen);
     if (rc != K3_OK) return rc;
     memcpy(d->ids, ids, sizeof(int32_t) * (size_t)n);
-    d->n = n;
-    __atomic_add_fetch(&m->stats.tokens_fed, (uint64_t)n, __ATOMIC_RELAXED);
+    d->n = n; /* tokens_fed grows on accept: per-token figures count what entered the session */
     return K3_OK;
 }
 

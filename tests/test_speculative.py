@@ -466,3 +466,38 @@ def test_the_remote_backend_refuses_speculative_decoding(home: Path) -> None:
     store = HistoryStore()
     with pytest.raises(ValueError, match="the remote server decodes on its own"):
         RemoteConversation(None, "m", store, store.create("r").id, speculative=4)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ memory: the plan counts it
+
+
+def test_the_planner_counts_the_verify_record_the_engine_allocates(any_model: Model) -> None:
+    from k3engine.planner import verify_record_bytes
+
+    cfg = any_model.config
+    for n in (1, 4, 8, 64):
+        assert verify_record_bytes(cfg, n) == any_model.verify_bytes(n + 1) + (n + 1) * cfg.vocab * 4
+    assert verify_record_bytes(cfg, 0) == 0
+
+
+def test_plan_shows_the_verify_record_within_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from k3chat.demo import model_dir
+    from k3engine.config import load_config
+    from k3engine.planner import main_plan, make_plan, tensor_sizes_from_dir, verify_record_bytes
+
+    cfg = load_config(model_dir())
+    ts = tensor_sizes_from_dir(model_dir(), cfg)
+    off = make_plan(cfg, ts, 1 << 30, 4096, check_machine=False)
+    on = make_plan(cfg, ts, 1 << 30, 4096, check_machine=False, speculative=8)
+    assert "speculative verify" not in off.floor_parts  # off: plans (and the README table) unchanged
+    assert on.floor_parts["speculative verify"] == verify_record_bytes(cfg, 8)
+    assert on.floor_bytes == off.floor_bytes + verify_record_bytes(cfg, 8) and on.total <= on.budget
+    out = tmp_path / "plan.json"
+    assert main_plan([str(model_dir()), "--memory", "1G", "--no-machine-check", "--speculative", "8",
+                      "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "speculative verify" in text and "up to 8 drafted tokens" in text
+    assert json.loads(out.read_text())["plan"]["verify_bytes"] == verify_record_bytes(cfg, 8)
+    assert main_plan([str(model_dir()), "--speculative", "65"]) == 2

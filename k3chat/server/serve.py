@@ -265,7 +265,8 @@ def serve(args: argparse.Namespace) -> int:
     context = _context(args, model_dir)
     args.speculative = _speculative_setting(args)
     policy = StopPolicy(exit_now=_exit_now)
-    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say)
+    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say,
+                        speculative=args.speculative)
     try:
         return _serve_opened(args, opened, model_id, context, key, policy)
     finally:
