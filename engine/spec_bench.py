@@ -154,12 +154,14 @@ def demo_speeds(ns: Sequence[int], *, threads: int, repeats: int = 3, max_tokens
                 serial_ids: list[int] | None = None
                 for n in [0, *ns]:
                     say(f"demo model, {name}, thinking {mode}: speculative {n} ...")
-                    speeds, row = [], {}
+                    speeds, cpu, row = [], [], {}
                     for _ in range(repeats):
                         conv = Conversation(model, tok, store, store.create("bench").id, thinking=mode != "off",
                                             effort=None if mode == "off" else mode, max_tokens=max_tokens,
                                             state_files=False, speculative=n)
+                        c0 = time.process_time()  # CPU time: less at the mercy of a busy machine
                         r = conv.send(text)
+                        cpu.append(time.process_time() - c0)
                         conv.close()
                         assert r is not None
                         speeds.append((r.generated_tokens - 1) / r.decode_seconds)
@@ -169,6 +171,7 @@ def demo_speeds(ns: Sequence[int], *, threads: int, repeats: int = 3, max_tokens
                         row["same_ids_as_serial"] = r.generated_ids == serial_ids
                     out.append({"prompt": name, "thinking": mode, "n": n,
                                 "decode_tokens_per_s": statistics.median(speeds),
+                                "turn_cpu_s": statistics.median(cpu),
                                 "runs_tokens_per_s": speeds, **row})
         finally:
             model.close()
@@ -187,11 +190,11 @@ def format_spec_report(res: dict[str, Any]) -> str:
                          f"{bad['s_per_token']:>12.3f} {ok['seconds']:>8.2f} {ok['gb_read']:>8.2f} "
                          f"{s['gb_read'] / s['tokens']:>8.2f}  {r['verified_logits_equal_serial']}")
     if res.get("demo"):
-        lines.append("demo model, greedy: decode tokens/s (median)")
+        lines.append("demo model, greedy: decode tokens/s and the turn's CPU seconds (medians)")
         for r in res["demo"]:
             kept = f"{r['draft_accepted']}/{r['draft_proposed']}" if r["n"] else "-"
             lines.append(f"  {r['prompt']:<16} thinking {r['thinking']:<4} N={r['n']:<2} "
-                         f"{r['decode_tokens_per_s']:>8.1f} tok/s  "
+                         f"{r['decode_tokens_per_s']:>8.1f} tok/s  turn CPU {r['turn_cpu_s']:.3f} s  "
                          f"drafts kept {kept:>7}  {r['generated_tokens']} tokens, same ids: "
                          f"{r['same_ids_as_serial']}")
     return "\n".join(lines)
