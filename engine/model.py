@@ -263,6 +263,12 @@ class Model:
                    ffi.from_buffer("float[]", out), 1 if shared_kda_slot else 0)
         return out
 
+    def verify_bytes(self, positions: int) -> int:
+        """Bytes a session's speculative verify record takes for that many positions."""
+        _, lib = _lib()
+        with self._life:
+            return int(lib.k3_verify_bytes(self._handle(), int(positions)))
+
     def session(self, max_positions: int) -> "Session":
         return Session(self, max_positions)
 
@@ -363,6 +369,28 @@ class Session:
                 cancel._cell if cancel is not None else ffi.NULL)
             self._check(rc)
         return allbuf if allbuf is not None else last
+
+    def verify(self, ids: Sequence[int], *, cancel: CancelFlag | None = None) -> np.ndarray:
+        """Speculative decoding: the logits [n, V] of ids at positions length.. from one
+        pass, bit-identical to feeding them one by one, without advancing the session. Follow
+        with `accept(keep)`; any other feed, reset, import or restore drops the pending verify.
+        A failed or cancelled verify leaves the session as it was."""
+        ffi, lib = _lib()
+        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int32))
+        if arr.ndim != 1 or len(arr) == 0:
+            raise ValueError("verify needs a non-empty 1-D list of token ids")
+        out = np.empty((len(arr), self.model.vocab), dtype=np.float32)
+        with self._lock, self.model._lock:
+            self._check(lib.k3_session_verify(self._hs(), ffi.from_buffer("int32_t[]", arr), len(arr),
+                                              ffi.from_buffer("float[]", out),
+                                              cancel._cell if cancel is not None else ffi.NULL))
+        return out
+
+    def accept(self, keep: int) -> None:
+        """Advance the session by the first `keep` positions of the pending verify."""
+        _, lib = _lib()
+        with self._lock, self.model._lock:  # the replay runs on the model's thread pool
+            self._check(lib.k3_session_accept(self._hs(), int(keep)))
 
     # ---- state ----
     def export_state(self) -> bytearray:

@@ -112,6 +112,7 @@ __all__ = [
     "tensor_sizes_from_dir", "sizes_from_table", "sizes_from_names", "work_buffer_parts",
     "work_buffer_bytes", "expected_distinct_experts", "prompt_report", "base_chunk",
     "slot_bytes", "unit_slot_bytes", "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK",
+    "verify_record_bytes",
     "RING_SLOTS", "RING_READ_ALIGN", "IO_ALIGN",
 ]
 
@@ -503,9 +504,28 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
     return STATE_HEADER + context * (4 + mla_bytes_per_position(cfg)) + kda_state_bytes(cfg)
 
 
+SPECULATIVE_PART = "speculative verify"
+
+
+def verify_record_bytes(cfg: ModelConfig, speculative: int) -> int:
+    """What exact speculative decoding with up to `speculative` drafted tokens holds beside
+    the session (0 when off): the verify record for speculative + 1 positions, as
+    k3_verify_bytes counts it (native/k3_kda.c: one KDA layer's scratch state and conv
+    history, then per position and KDA layer the q/k/v before the conv, k/v after it, the
+    decay and beta), and the logits of every verified position. Its pass fits the prefill
+    chunk's work buffers (speculative + 1 tokens, at most MAX_SPECULATIVE + 1)."""
+    if speculative <= 0:
+        return 0
+    n = speculative + 1
+    p, hk, d, k = cfg.kda_width, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_kernel
+    n_kda = len(cfg.kda_layers)
+    record = (hk * d * d + 3 * p * (k - 1) + n_kda * n * (6 * p + hk)) if n_kda else 0
+    return FLOAT * record + INT * n + n * cfg.vocab * FLOAT
+
+
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
            embed_stream: bool, process_bytes: int = 0, chunk: int | None = None,
-           head_stream: bool = False) -> _Floor:
+           head_stream: bool = False, verify_bytes: int = 0) -> _Floor:
     """Everything resident whatever the trunk layout (given the embedding and lm_head choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
@@ -515,6 +535,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
     The work buffers are for a prefill pass of `chunk` tokens (default: base_chunk)."""
     state = kda_state_bytes(cfg)
     work = work_buffer_parts(cfg, context, base_chunk(context) if chunk is None else chunk)
+    verify = {SPECULATIVE_PART: verify_bytes} if verify_bytes else {}  # only when it is on
     return _Floor({
         PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
@@ -527,6 +548,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
         "MLA latent cache": context * mla_bytes_per_position(cfg),
         "work buffers": work_buffer_bytes(work),
         "I/O staging": IO_READERS * STAGING_PER_READER,
+        **verify,
     })
 
 
@@ -609,6 +631,8 @@ class Plan:
     head_block_rows: int = 0  # rows per block when head_stream (0: held)
     head_table_bytes: int = 0  # lm_head as stored: what head_stream reads per token
     machine_limit: int | None = None  # what the machine could hold, when it was checked
+    speculative: int = 0  # drafted tokens verified per pass (0: off)
+    verify_bytes: int = 0  # its verify record and logits (verify_record_bytes)
     work_parts: dict[str, int] = field(default_factory=dict)  # work_bytes by kind
     # per layer, layer 0 first
     layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk as stored
@@ -624,7 +648,8 @@ class Plan:
                 "layer vectors (fp32)": self.layer_vector_bytes,
                 "KDA state": self.kda_state_bytes, "turn snapshots": self.snapshot_bytes,
                 "MLA latent cache": self.mla_cache_bytes, "work buffers": self.work_bytes,
-                "I/O staging": self.staging_bytes}
+                "I/O staging": self.staging_bytes,
+                **({SPECULATIVE_PART: self.verify_bytes} if self.speculative else {})}
 
     @property
     def floor_bytes(self) -> int:
@@ -757,7 +782,9 @@ def _render_table(p: Plan, disk_gb_per_s: float | None = None) -> str:
                              f"(the largest this budget allows, at most the context)",
              "turn snapshots": f"{p.snapshots} x (KDA state + MLA rows + ids at the context)",
              "KDA state": "fixed, whatever the context",
-             "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB"}
+             "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB",
+             SPECULATIVE_PART: f"up to {p.speculative} drafted tokens: per-position KDA vectors "
+                               f"to roll back to, and {p.speculative + 1} positions' logits"}
     for k, v in p.floor_parts.items():
         lines.append(_row(k, v, notes.get(k, "")))
         if k == "work buffers":
@@ -943,7 +970,7 @@ def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk, head_stream: bool 
 
 def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
                    snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int,
-                   head_stream: bool = False) -> int:
+                   head_stream: bool = False, verify_bytes: int = 0) -> int:
     """The largest prefill chunk (at most the context) beside `trunk` and the expert cache.
 
     A bigger chunk reads each distinct expert and every streamed trunk unit once for more
@@ -955,7 +982,7 @@ def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
 
     def need(chunk: int, slots: int) -> int:
         floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
-                       head_stream)
+                       head_stream, verify_bytes)
         return floor.total + trunk.cost(ring_slots) + slots * slot
 
     slots = _min_expert_slots(cfg, ts)
@@ -996,9 +1023,9 @@ def _need(cfg: ModelConfig, ts: TensorSizes, floors: Mapping[bool, _Floor], trun
 
 
 def _floors(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-            process_bytes: int, head_stream: bool) -> dict[bool, _Floor]:
+            process_bytes: int, head_stream: bool, verify_bytes: int = 0) -> dict[bool, _Floor]:
     """The floor with and without the embedding table, for one lm_head choice."""
-    return {e: _floor(cfg, ts, context, snapshots, e, process_bytes, None, head_stream)
+    return {e: _floor(cfg, ts, context, snapshots, e, process_bytes, None, head_stream, verify_bytes)
             for e in (False, True)}
 
 
@@ -1136,7 +1163,8 @@ def _check_machine(budget: int, context: int) -> int:
 def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
               budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
               check_machine: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
-              lookahead: int = 0, ring_slots: int = RING_SLOTS, process_bytes: int = 0) -> Plan:
+              lookahead: int = 0, ring_slots: int = RING_SLOTS, process_bytes: int = 0,
+              speculative: int = 0) -> Plan:
     """Split `budget_bytes` for `context` tokens; raise PlanError (with numbers) if it cannot.
 
     `tensor_sizes` is a TensorSizes or a name -> bytes table of the checkpoint. `lookahead`
@@ -1144,7 +1172,8 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     positive, every streamed MoE layer's router stays resident. `ring_slots` (>= 2) is the
     engine's ring size when the trunk streams. `process_bytes` is what the process needs
     beside the engine (see budgeted.process_reserve): the budget is a ceiling for the whole
-    process, so the engine is given the rest.
+    process, so the engine is given the rest. `speculative` > 0 adds the verify record of
+    exact speculative decoding to the floor (verify_record_bytes).
     """
     ts = (tensor_sizes if isinstance(tensor_sizes, TensorSizes)
           else sizes_from_table(cfg, tensor_sizes))
@@ -1162,6 +1191,7 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                         budget=budget_bytes, context=context)
     _check_ring_slots(ring_slots, budget_bytes, context)
     machine_limit = _check_machine(budget_bytes, context) if check_machine else None
+    verify = verify_record_bytes(cfg, speculative)
     slot = slot_bytes(ts.expert_bytes)
     k = _min_expert_slots(cfg, ts)
     lay = _layout(ts, lookahead)
@@ -1169,7 +1199,7 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     # with lm_head held; streamed (read whole every token) only when nothing else fits.
     trunk, head_stream = None, False
     for head_stream in (False, True):
-        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream)
+        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream, verify)
         trunk = next((t for t in _trunk_options(lay)
                       if _need(cfg, ts, floors, t, ring_slots, head_stream) <= budget_bytes),
                      None)
@@ -1179,9 +1209,9 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
                        process_bytes)
     chunk = _largest_chunk(cfg, ts, budget_bytes, context, snapshots, trunk, ring_slots,
-                           process_bytes, head_stream)
+                           process_bytes, head_stream, verify)
     floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
-                   head_stream)
+                   head_stream, verify)
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
     unit = trunk.ring_unit
@@ -1212,6 +1242,7 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         expert_cache_bytes=slots * slot, min_expert_slots=k,
         experts_total=ts.n_experts_total, top_k=cfg.top_k, moe_layers=len(cfg.moe_layers),
         sizes_source=ts.source, process_bytes=process_bytes, machine_limit=machine_limit,
+        speculative=max(speculative, 0), verify_bytes=verify,
         layer_bytes=ts.layer_trunk,
         open_peak_bytes=_open_peak(ts, floor, trunk, head_stream),
         head_stream=head_stream, head_block_rows=head_block_rows(cfg, ts) if head_stream else 0,
@@ -1222,20 +1253,21 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
 
 def make_plan_default_lookahead(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                                 budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
-                                check_machine: bool = True, process_bytes: int = 0) -> Plan:
+                                check_machine: bool = True, process_bytes: int = 0,
+                                speculative: int = 0) -> Plan:
     """The plan with k3chat's default lookahead: the model's top-k when the trunk is
     resident, off when it streams. `k3chat bench` measured lookahead 1.44-1.50x faster with
     the trunk resident and no gain with it streamed (0.96-1.01x: the prefetches compete
     with the trunk reads), where its resident routers are better spent on pinned layers."""
     try:
         plan = make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                         lookahead=cfg.top_k, process_bytes=process_bytes)
+                         lookahead=cfg.top_k, process_bytes=process_bytes, speculative=speculative)
         if plan.trunk_resident:
             return plan
     except PlanError:
         pass
     return make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                     lookahead=0, process_bytes=process_bytes)
+                     lookahead=0, process_bytes=process_bytes, speculative=speculative)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1262,6 +1294,19 @@ def _lookahead_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of experts, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"lookahead must be 0 (off) or more, got {value}")
+    return value
+
+
+MAX_SPECULATIVE = 64  # the chat core's limit (k3chat.conversation.MAX_SPECULATIVE)
+
+
+def _speculative_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafted tokens, got {text!r}") from None
+    if not 0 <= value <= MAX_SPECULATIVE:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) to {MAX_SPECULATIVE} drafted tokens, got {value}")
     return value
 
 
@@ -1330,6 +1375,9 @@ def _parser() -> argparse.ArgumentParser:
                          "or auto (default)")
     ap.add_argument("--context", type=_context_arg, default=DEFAULT_CONTEXT,
                     help=f"tokens of context to size the session for (default {DEFAULT_CONTEXT})")
+    ap.add_argument("--speculative", type=_speculative_arg, default=0, metavar="N",
+                    help="count the verify record of exact speculative decoding with up to N "
+                         "drafted tokens (run/chat/serve --speculative N); default 0, off")
     ap.add_argument("--lookahead", type=_lookahead_arg, default=None,
                     help="router lookahead the engine will run with: experts per token "
                          "prefetched for the next layer (default, as `k3chat run` does: "
@@ -1371,10 +1419,11 @@ def main_plan(argv: Sequence[str]) -> int:
         process = sz.process_reserve()
         if args.lookahead is None:
             plan = make_plan_default_lookahead(cfg, ts, budget, args.context, check_machine=machine,
-                                               process_bytes=process)
+                                               process_bytes=process, speculative=args.speculative)
         else:
             plan = make_plan(cfg, ts, budget, args.context, check_machine=machine,
-                             lookahead=args.lookahead, process_bytes=process)
+                             lookahead=args.lookahead, process_bytes=process,
+                             speculative=args.speculative)
         if args.prompt_tokens is not None and args.prompt_tokens > args.context:
             raise PlanError(f"a prompt of {args.prompt_tokens:,} tokens does not fit a context of "
                             f"{args.context:,} tokens. What to do: give --context "

@@ -137,6 +137,7 @@ def _run_settings(args: argparse.Namespace) -> Any:
         "top_k": args.top_k,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
+        "speculative": getattr(args, "speculative", None),
         "remote": getattr(args, "remote", None),
         "remote_model": getattr(args, "remote_model", None),
         "api_key_file": getattr(args, "api_key_file", None),
@@ -479,7 +480,7 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     created: SessionInfo | None = None
     try:
         opened = open_model(model_dir, memory=memory, context=context, threads=args.threads,
-                            lookahead=args.lookahead, scalar=args.scalar)
+                            lookahead=args.lookahead, scalar=args.scalar, speculative=settings.speculative)
         if signals.requested.is_set():
             opened.close()
             return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
@@ -520,7 +521,7 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
     try:
         conv = Conversation(model, tokenizer, store, info.id, thinking=settings.thinking, effort=settings.effort,
                             max_tokens=settings.max_tokens, context=context,
-                            model_name=Path(settings.model).name)
+                            model_name=Path(settings.model).name, speculative=settings.speculative)
         conv.sampler = sampler_settings(sampling=settings.sampling, temperature=settings.temperature,
                                         top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
                                         records=conv.records)
@@ -613,7 +614,8 @@ def _run_remote_chat(args: argparse.Namespace, settings: Any, signals: SignalSto
     from .remote import RemoteClient, RemoteError, resolve_model
 
     local_only = {"--memory": args.memory, "--threads": args.threads, "--lookahead": args.lookahead,
-                  "--context": args.context, "--scalar": args.scalar or None}
+                  "--context": args.context, "--scalar": args.scalar or None,
+                  "--speculative": getattr(args, "speculative", None)}
     given = [name for name, value in local_only.items() if value is not None]
     if given:
         raise _Usage(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the remote "

@@ -63,6 +63,11 @@ def _add_remote_options(p: argparse.ArgumentParser) -> None:
                    help="--remote: verify the server's TLS certificate with this CA (PEM) instead of the system's")
 
 
+SPECULATIVE_HELP = ("exact speculative decoding: verify up to N tokens drafted from the conversation "
+                    "itself in one pass (0 = off, the default; config key `speculative`); the "
+                    "output is the same, only the speed changes")
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="one-shot generation: a chat turn (--prompt) or raw ids (--ids)")
     r.add_argument("model_dir", nargs="?", default=None,
@@ -91,6 +96,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     r.add_argument("--session", metavar="NAME", help="continue this session (id or name); created if new")
     r.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
+    r.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
     r.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context limit in positions, also what the memory plan is sized for "
                         "(default 8192, capped at the model's limit)")
@@ -159,6 +165,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--top-k", metavar="K", help="keep the K likeliest ids (0 = off); implies sampling")
     c.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
+    c.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
@@ -215,7 +222,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     chat_only = {"--system": args.system, "--session": args.session, "--temperature": args.temperature,
                  "--top-p": args.top_p, "--top-k": args.top_k, "--seed": args.seed,
                  "--max-tokens": args.max_tokens, "--thinking-effort": args.thinking_effort,
-                 "--no-think": args.no_think or None, "--context": args.context, "--file": args.files}
+                 "--no-think": args.no_think or None, "--context": args.context, "--file": args.files,
+                 "--speculative": args.speculative}
     given = [name for name, value in chat_only.items() if value is not None]
     if given:
         return usage_error(f"{', '.join(given)} need --prompt (--ids runs raw ids, greedy; use --gen for its length)")
@@ -273,6 +281,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "effort": args.thinking_effort,
         "thinking": False if args.no_think else (True if args.thinking_effort else None),
         **chat_sampler_options(args),
+        "speculative": args.speculative,
         "remote": args.remote,
         "remote_model": args.remote_model,
         "api_key_file": args.api_key_file,
@@ -322,7 +331,8 @@ def _chat_remote(args: argparse.Namespace, settings: object) -> int:
     from .chat_cli import remote_endpoint, usage_error
     from .remote import RemoteError
 
-    local_only = {"--memory": args.memory, "--threads": args.threads, "--context": args.context}
+    local_only = {"--memory": args.memory, "--threads": args.threads, "--context": args.context,
+                  "--speculative": args.speculative}
     given = [name for name, value in local_only.items() if value is not None]
     if given:
         return usage_error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the "

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from k3chat import paths, statefile
 from k3chat.attachments import Attachment, model_message
-from k3chat.engine_api import EngineModel, EngineSession
+from k3chat.engine_api import EngineModel, EngineSession, VerifyingSession
 from k3chat.events import (
     AnswerToken,
     Event,
@@ -51,6 +51,7 @@ from k3chat.events import (
 from k3chat.history import STOPS, HistoryStore
 from k3chat.progress import PrefillMeter
 from k3chat.sampler import Sampler, SamplerSettings
+from k3chat.speculative import Speculator
 from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
 from k3chat.tokenizer import Tokenizer
 
@@ -142,6 +143,12 @@ class TurnResult:
     # Stopped while the prompt was read: no answer was stored, the user message waits for
     # respond(); prefilled_tokens says how much of it was read this time.
     pending: bool = False
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified
+    draft_accepted: int = 0  # ... of which the sampler produced the same token
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def generated_tokens(self) -> int:
@@ -171,6 +178,8 @@ class TurnResult:
             "sync_tokens": self.sync_tokens,
             "state_saved": self.state_saved,
             "pending": self.pending,
+            "draft_proposed": self.draft_proposed,
+            "draft_accepted": self.draft_accepted,
             "stats": dict(self.engine),
         }
 
@@ -374,10 +383,12 @@ class Conversation:
         stats_every: int = 8,
         sampler_factory: Callable[[SamplerSettings, int], _SamplerLike] = Sampler,
         prefill_piece: int | None = None,  # tokens per engine call in a prefill; None: engine_prefill_piece
+        speculative: int = 0,
     ) -> None:
         tokenizer.engine_vocab_check(model.config.vocab)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        check_speculative(speculative)
         self.model = model
         self.tokenizer = tokenizer
         self.grammar = Grammar(tokenizer)
@@ -387,6 +398,8 @@ class Conversation:
         self.effort = effort
         self.sampler = sampler or SamplerSettings()
         self.max_tokens = max_tokens
+        # drafted tokens verified per engine pass (0: one token per pass); output never changes
+        self.speculative = speculative
         model_dir = getattr(model, "dir", None)
         # N_ctx is the session's capacity, allocated once: the plan's context, never more, so
         # the state can never outgrow the memory planned for it (no growth, no second copy).
@@ -843,6 +856,9 @@ class Conversation:
         generated: list[int] = []
         self._phase = "decode"  # from here a first cancel() lets the step in flight finish
         stop = "cancelled" if self._cancel.is_set() else ""
+        # an engine that cannot verify in one pass decodes serially: the output is the same
+        verifies = isinstance(self._session, VerifyingSession)
+        spec = _speculator(self) if self.speculative > 0 and verifies else None
         t1 = time.perf_counter()
         try:
             while not stop:
@@ -850,6 +866,8 @@ class Conversation:
                 if not generated:
                     st.first_token_s = time.perf_counter() - t0
                 generated.append(token)
+                if spec is not None:
+                    spec.sampled(token)
                 for channel, text in parser.push(token):
                     if channel == "content" and phase != "answer":
                         phase = "answer"
@@ -870,22 +888,32 @@ class Conversation:
                     # The step in flight completes on cancel(); only abort() sets the engine's
                     # flag during decoding, and then the step stops between layers.
                     try:
-                        logits = self._feed([token], cancellable=True)
+                        if spec is not None:
+                            logits = spec.next_logits(token, room=limit - len(generated))
+                        else:
+                            logits = self._feed([token], cancellable=True)
                     except Cancelled:
                         stop = "cancelled"  # the state is tainted; the text is kept below
                         break
                     st.decode_s = time.perf_counter() - t1
+                    if spec is not None:
+                        st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
                     if len(generated) % self.stats_every == 0:
                         self._emit_stats(st, len(generated), emit)
         except (EngineError, SamplerError, MemoryError) as exc:
             st.decode_s = time.perf_counter() - t1
+            _settle_quietly(spec, st)
             self._flush(parser, emit, phase)
             raise self._failed(st, generated, exc, emit) from exc
         except BaseException:
             # KeyboardInterrupt or a failing event handler: keep what was generated.
             st.decode_s = time.perf_counter() - t1
+            _settle_quietly(spec, st)
             self._save_quietly(st, generated)
             raise
+        if spec is not None:
+            spec.settle()  # the verified positions the sampler went through are fed; no more
+            st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
         st.decode_s = time.perf_counter() - t1
         st.turn_s = time.perf_counter() - t0
         self._flush(parser, emit, phase)
@@ -961,6 +989,7 @@ class Conversation:
             reuse_source=st.source, reuse_note=st.note, generated_ids=list(generated),
             prefill_seconds=st.prefill_s, decode_seconds=st.decode_s, seed=None if s.greedy else s.seed,
             greedy=s.greedy, saved=saved, engine=self._engine_stats(),
+            draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted,
         )
 
     def _finish(self, st: _TurnState, generated: list[int], stop: str, emit: EventHandler) -> TurnResult:
@@ -1114,7 +1143,8 @@ class Conversation:
         emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
                    prefilled_tokens=st.prompt_tokens - st.reused, generated_tokens=n_generated,
                    prefill_seconds=st.prefill_s, decode_seconds=st.decode_s,
-                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats()))
+                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats(),
+                   draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted))
 
 
 @dataclass
@@ -1132,11 +1162,52 @@ class _TurnState:
     reasoning_s: float = 0.0  # from the first sampled id to the start of the answer
     first_token_s: float = 0.0  # from the start of the prefill to the first sampled id
     turn_s: float = 0.0  # from the start of the prefill to the last sampled id
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
+MAX_SPECULATIVE = 64  # drafted tokens per verify pass; the verify record grows with it
+
+
+def check_speculative(n: object) -> int:
+    """A valid --speculative / config value (0 = off), else ValueError saying what is wrong."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be a whole number of drafted tokens from 0 (off) to "
+                         f"{MAX_SPECULATIVE}, got {n!r}")
+    return n
+
+
+def _settle_quietly(spec: Speculator | None, st: _TurnState) -> None:
+    """After a failed step: keep what the sampler went through; the failure is what counts."""
+    if spec is None:
+        return
+    try:
+        spec.settle()
+    except Exception as exc:  # the mirror is already marked unknown: the next turn prefills
+        log.warning("verified positions not accepted after a failure: %s", exc)
+    st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
+
+
+def _speculator(conv: Conversation) -> Speculator:
+    """Speculative decoding for one turn of ``conv`` (see k3chat.speculative.Speculator)."""
+    session = conv._live
+    assert isinstance(session, VerifyingSession)
+
+    def fed(ids: Sequence[int]) -> None:
+        assert conv._fed is not None
+        conv._fed.extend(int(i) for i in ids)
+
+    def lost() -> None:
+        conv._fed = None
+
+    return Speculator(session, conv._fed or [], limit=conv.speculative, stop_ids=conv.grammar.end_ids,
+                      feed=lambda ids: conv._feed(ids, cancellable=True), fed=fed, lost=lost,
+                      cancel=conv._engine_cancel)
 
 
 __all__ = [
     "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
     "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings", "user_record",
-    "STOPS", "stop_message",
+    "STOPS", "stop_message", "check_speculative", "MAX_SPECULATIVE",
     "Event",
 ]

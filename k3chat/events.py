@@ -88,6 +88,12 @@ class Stats:
     context_used: int  # positions in the engine state now
     context_limit: int  # N_ctx
     engine: dict[str, int] = field(default_factory=dict)  # Model.stats()
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified this turn
+    draft_accepted: int = 0  # ... and sampled as drafted
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def tokens_per_second(self) -> float | None:

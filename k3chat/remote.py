@@ -350,9 +350,13 @@ class RemoteConversation:
 
     def __init__(self, client: RemoteClient, model: str, store: HistoryStore, session_id: str, *,
                  thinking: bool = True, effort: str | None = "max", sampler: SamplerSettings | None = None,
-                 max_tokens: int = 4096, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_tokens: int = 4096, clock: Callable[[], float] = time.perf_counter,
+                 speculative: int = 0) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if speculative:
+            raise ValueError("speculative decoding runs where the model runs: the remote server decodes on its own "
+                             "(on that machine: k3chat serve --speculative N); use speculative 0 here")
         self.client = client
         self.model_name = model
         self.store = store

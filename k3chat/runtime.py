@@ -151,7 +151,7 @@ def thread_count(threads: int | None) -> int:
 
 def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int | None = None,
                lookahead: int | None = None, scalar: bool = False, tokenizer: bool = True,
-               progress: Progress | None = None) -> OpenedModel:
+               progress: Progress | None = None, speculative: int = 0) -> OpenedModel:
     """Plan ``memory`` for ``context`` positions, open the model under that plan and (unless
     ``tokenizer`` is False) its tokenizer; every failure is a Failure with its exit code."""
     from k3engine.budgeted import open_budgeted
@@ -162,7 +162,7 @@ def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int
         progress(f"Planning memory ({memory}) and opening {model_dir}")
     try:
         opened = open_budgeted(model_dir, memory=memory, context=context, lookahead=lookahead,
-                               threads=n_threads, scalar=scalar)
+                               threads=n_threads, scalar=scalar, speculative=speculative)
     except BaseException as exc:
         failure = _open_failure(model_dir, exc)
         if failure is None:

@@ -5,6 +5,7 @@ Example (every key optional)::
     model = "~/models/kimi-k3"
     memory = "12G"            # a size (K/M/G/T), "auto", or a preset name
     max_tokens = 4096         # per-turn generation limit G (spec 5.2)
+    speculative = 0           # drafted tokens verified per pass (0 = off); output is the same
     theme = "default"
     vim_keys = false          # the app: j/k, g/G move between blocks of the transcript
     remote = "https://k3.example:8000"   # an OpenAI-compatible server instead of the local model
@@ -83,6 +84,7 @@ class Settings:
     top_k: int = 0
     seed: int | None = None  # None: a random u64 per conversation, shown and stored
     max_tokens: int = 4096
+    speculative: int = 0  # exact speculative decoding: drafted tokens per verify pass, 0 = off
     theme: str = "default"
     reasoning_display: str = "auto"
     vim_keys: bool = False  # the app's j/k, g/G in the transcript (never while typing)
@@ -212,6 +214,16 @@ def _max_tokens(value: object) -> int:
     return n
 
 
+MAX_SPECULATIVE = 64  # k3chat.conversation.MAX_SPECULATIVE (the chat core is not imported here)
+
+
+def _speculative(value: object) -> int:
+    n = _integer(value)
+    if not 0 <= n <= MAX_SPECULATIVE:
+        raise ValueError(f"must be a number of drafted tokens from 0 (off) to {MAX_SPECULATIVE}, got {value}")
+    return n
+
+
 def _theme(value: object) -> str:
     if not _NAME_RE.fullmatch(_string(value)):
         raise ValueError(f"must be a theme name (letters, digits, - and _), got {value!r}")
@@ -237,6 +249,7 @@ _TOML_KEYS: dict[str, tuple[str, Callable[[object], Any]]] = {
     "model": ("model", _model),
     "memory": ("memory", _memory),
     "max_tokens": ("max_tokens", _max_tokens),
+    "speculative": ("speculative", _speculative),
     "theme": ("theme", _theme),
     "vim_keys": ("vim_keys", _boolean),
     "remote": ("remote", _remote),
@@ -421,7 +434,7 @@ def _coerce(name: str, value: object) -> object:
     try:
         if check in (_temperature, _top_p):
             return float(value)
-        if check in (_top_k, _seed, _max_tokens):
+        if check in (_top_k, _seed, _max_tokens, _speculative):
             return int(value, 10)
     except ValueError:
         raise ValueError(f"expected a number, got {value!r}") from None

@@ -157,6 +157,17 @@ int32_t k3_session_ids(const k3_session *s, int32_t *out, int32_t cap);
 int k3_session_feed(k3_session *s, const int32_t *ids, int32_t n, float *logits_last,
                     float *logits_all, const volatile int32_t *cancel);
 
+/* Speculative decoding.  k3_session_verify computes ids[0..n) at positions length.. in one
+ * pass (logits_all gets n*V floats) without advancing the session; k3_session_accept(s, keep)
+ * then advances it by the first keep of them (0..n), bit for bit as feeding them would.  Any
+ * other feed, a reset, an import or a restore drops a pending verify.  A failed or cancelled
+ * verify leaves the session as it was (never tainted). */
+int k3_session_verify(k3_session *s, const int32_t *ids, int32_t n, float *logits_all,
+                      const volatile int32_t *cancel);
+int k3_session_accept(k3_session *s, int32_t keep);
+/* Bytes of the verify record a session allocates for n positions (the planner counts it). */
+uint64_t k3_verify_bytes(const k3_model *m, int32_t n);
+
 /* Whole state as bytes (layout in k3_state.c): ids, KDA S and conv histories, MLA rows. */
 int k3_session_state_size(const k3_session *s, uint64_t *size);
 int k3_session_export(const k3_session *s, void *buf, uint64_t size);

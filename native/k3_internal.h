@@ -202,15 +202,44 @@ void ks_export(const k3_model *m, const ks_state *st, void *buf);
 int ks_import(const k3_model *m, ks_state *st, const void *buf, uint64_t size, char *err,
               size_t errlen);
 
+/* What a verify feed keeps so that any prefix of it can be accepted (speculative decoding).
+ * During the feed, each KDA layer runs on scratch copies of its state and conv history, so
+ * the session's own KDA state stays at the pre-feed position; accepting m positions replays
+ * the recurrence for those m from the per-position vectors kept here (no weight is read
+ * again).  MLA rows and ids are written past st->len and kept or dropped by length. */
+typedef struct kd_draft {
+    int32_t cap;       /* positions each record holds */
+    int32_t n;         /* positions of the pending verify feed; 0: nothing to accept */
+    int32_t *ids;      /* [cap] */
+    float *work_s;     /* one KDA layer's state, scratch [H_k * D * D] */
+    float *work_conv;  /* [3 * P * (K-1)] */
+    float **pre;       /* per KDA layer [cap][3P]: q, k, v before the conv */
+    float **post;      /* per KDA layer [cap][3P + H_k]: k, v after the conv, decay z, beta */
+    int n_layers;      /* entries of pre/post allocated */
+} kd_draft;
+
+/* Floats of a verify record for `cap` positions (the planner counts the same). */
+size_t kd_draft_floats(const k3_model *m, int32_t cap);
+int kd_draft_reserve(const k3_model *m, kd_draft *d, int32_t cap);
+void kd_draft_free(kd_draft *d);
+/* Advance the session's KDA state and conv histories by the first `keep` positions of the
+ * pending feed: the same per-token arithmetic the feed ran, so bits equal a serial feed. */
+void kda_accept(const k3_model *m, ks_state *st, const kd_draft *d, int keep);
+
 /* Forward of ids at positions st->len.. ; writes logits; advances st->len on success. */
 int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
                float *logits_all, const volatile int32_t *cancel, char *err, size_t errlen);
+/* One pass over ids at positions st->len.. that leaves st untouched (see kd_draft): the
+ * logits of every position in logits_all; d->n = n on success. */
+int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n, float *logits_all,
+              const volatile int32_t *cancel, char *err, size_t errlen);
 
 void km_kk_ctx(const k3_model *m, kk_ctx *c);
 
 /* sublayers (each processes ntok tokens of one sequence, in order) */
+/* draft: NULL, or a verify feed's record (S and conv are then read, never written) */
 void kda_forward(const k3_model *m, const km_layer *ly, float *S, float *conv, const float *xn,
-                 int ntok, float *out, float *scratch);
+                 int ntok, float *out, float *scratch, kd_draft *draft);
 size_t kda_scratch_floats(const k3_config *c, int ntok);
 int mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
                 int ntok, float *out, float *scratch);

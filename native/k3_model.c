@@ -144,7 +144,7 @@ static int km_head(k3_model *m, const kk_ctx *kc, const float *xn, int ntok, flo
 }
 
 static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, float *logits,
-                    int all_rows, const volatile int32_t *cancel, char *err, size_t errlen) {
+                    int all_rows, const volatile int32_t *cancel, kd_draft *draft, char *err, size_t errlen) {
     const k3_config *c = &m->cfg;
     int E = c->hidden, Sb = c->attn_res_block, nsnap = (c->n_layers - 1) / Sb + 1;
     kk_ctx kc;
@@ -195,7 +195,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
                 memset(st->kda_s[0], 0, sizeof(float) * P * c->kda_head_dim);
                 memset(st->kda_conv[0], 0, sizeof(float) * 3 * P * (c->conv_kernel - 1));
             }
-            kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch);
+            kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch, draft);
         }
         if (ly->streamed) kr_release(m->ring, L, KR_ATTN);
         if (have_cur) {
@@ -229,6 +229,33 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
     return rc;
 }
 
+int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n, float *logits_all,
+              const volatile int32_t *cancel, char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    d->n = 0;
+    if (n <= 0 || n > d->cap || st->shared_slot) {
+        km_set_err(err, errlen, "a verify feed needs 1..%d positions, got %d", d->cap, n);
+        return K3_ERR_INVALID;
+    }
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab) {
+            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
+                       c->vocab);
+            return K3_ERR_INVALID;
+        }
+    if ((int64_t)st->len + n > st->cap) {
+        km_set_err(err, errlen, "context full: %d positions fed + %d to verify > capacity %d", st->len, n,
+                   st->cap);
+        return K3_ERR_INVALID;
+    }
+    /* one pass whatever the prefill chunk: the point is to read the weights once for all n */
+    int rc = km_chunk(m, st, ids, n, logits_all, 1, cancel, d, err, errlen);
+    if (rc != K3_OK) return rc;
+    memcpy(d->ids, ids, sizeof(int32_t) * (size_t)n);
+    d->n = n; /* tokens_fed grows on accept: per-token figures count what entered the session */
+    return K3_OK;
+}
+
 int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
                float *logits_all, const volatile int32_t *cancel, char *err, size_t errlen) {
     const k3_config *c = &m->cfg;
@@ -260,7 +287,7 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         } else if (logits_last && last_chunk) {
             lg = logits_last;
         }
-        int rc = km_chunk(m, st, ids + done, cn, lg, all_rows, cancel, err, errlen);
+        int rc = km_chunk(m, st, ids + done, cn, lg, all_rows, cancel, NULL, err, errlen);
         if (rc == K3_OK && logits_all && logits_last && last_chunk)
             memcpy(logits_last, logits_all + (size_t)(n - 1) * c->vocab, sizeof(float) * c->vocab);
         free(tmp);

@@ -396,6 +396,7 @@ class K3ChatApp(App[int]):
         conv = make(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
                             context=engine.context, model_name=engine.model_dir.name,
+                            speculative=s.speculative,  # the remote factory leaves it to its server
                             **engine.conversation_options)
         conv.sampler = sampler_settings(sampling=s.sampling, temperature=s.temperature, top_p=s.top_p,
                                         top_k=s.top_k, seed=s.seed, records=conv.records)

@@ -55,8 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
     p.add_argument("--queue", type=_positive, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
-    p.add_argument("--speculative", type=_positive, default=None, metavar="N",
-                   help="speculative decoding (not built yet: refused)")
+    p.add_argument("--speculative", type=_speculative, default=None, metavar="N",
+                   help="exact speculative decoding: verify up to N tokens drafted from each conversation in "
+                        "one pass (0 = off; default: config.toml, else 0); answers are the same")
+
+
+def _speculative(text: str) -> int:
+    from ..settings import MAX_SPECULATIVE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of drafted tokens, got {text!r}") from None
+    if not 0 <= value <= MAX_SPECULATIVE:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) to {MAX_SPECULATIVE} drafted tokens, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -144,6 +156,16 @@ def _memory(args: argparse.Namespace) -> str:
         raise Failure(str(exc), EXIT_USAGE) from None
 
 
+def _speculative_setting(args: argparse.Namespace) -> int:
+    from ..settings import SettingsError, load_settings
+    if args.speculative is not None:
+        return int(args.speculative)
+    try:
+        return load_settings().speculative
+    except SettingsError as exc:
+        raise Failure(str(exc), EXIT_USAGE) from None
+
+
 def _context(args: argparse.Namespace, model_dir: Path) -> int:
     from ..conversation import default_context, model_max_positions
     if args.context is None:
@@ -156,9 +178,6 @@ def _context(args: argparse.Namespace, model_dir: Path) -> int:
 
 
 def _check_binding(args: argparse.Namespace) -> bytes | None:
-    if args.speculative is not None:
-        raise Failure("--speculative is not built yet; serve without it (answers are the same, only slower)",
-                      EXIT_USAGE)
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     if not is_loopback(args.host):
         if key is None:
@@ -244,8 +263,10 @@ def serve(args: argparse.Namespace) -> int:
     model_dir, model_id = _model_dir(args)
     memory = _memory(args)
     context = _context(args, model_dir)
+    args.speculative = _speculative_setting(args)
     policy = StopPolicy(exit_now=_exit_now)
-    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say)
+    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say,
+                        speculative=args.speculative)
     try:
         return _serve_opened(args, opened, model_id, context, key, policy)
     finally:
@@ -264,7 +285,8 @@ def _serve_opened(args: argparse.Namespace, opened: Any, model_id: str, context:
     cfg = load_config(opened.model_dir)
     worker = EngineWorker(opened.model, opened.tokenizer, context=context,
                           pool_budget=_pool_budget(opened, cfg, context),
-                          state_size=lambda n: snapshot_bytes(cfg, n), queue_limit=args.queue)
+                          state_size=lambda n: snapshot_bytes(cfg, n), queue_limit=args.queue,
+                          speculative=args.speculative)
     policy.bind(after_step=worker.stop_after_step, abort_step=worker.abort_step)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
@@ -274,7 +296,8 @@ def _serve_opened(args: argparse.Namespace, opened: Any, model_id: str, context:
     server = _server_class()(config, policy)
     worker.start()
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    say(f"serving {model_id} on http://{shown}:{port}/v1 (OpenAI API; context {context}, "
+    drafts = f", speculative {args.speculative}" if args.speculative else ""
+    say(f"serving {model_id} on http://{shown}:{port}/v1 (OpenAI API; context {context}{drafts}, "
         f"{'API key required' if key else 'no API key'}); Ctrl-C or SIGTERM stops")
     try:
         server.run(sockets=[sock])

@@ -41,7 +41,7 @@ def format_bytes(n: float) -> str:
 SEPARATOR = " \u2502 "
 # When the line is wider than the bar, these go first, in this order: the context figure, the
 # phase and the speed are what a person watches, so they stay whole.
-DROP_FIRST = ("plan", "per_token", "cache", "sampler", "model", "thinking")
+DROP_FIRST = ("plan", "drafts", "per_token", "cache", "sampler", "model", "thinking")
 
 
 def fitted(fields: list[tuple[str, str]], width: int) -> list[str]:
@@ -72,6 +72,7 @@ class StatusBar(Static):
         self.speed = ""
         self.cache = ""
         self.per_token = ""
+        self.drafts = ""  # speculative decoding: drafted tokens the sampler confirmed
         self.context = ""
         self._base: dict[str, int] | None = None
 
@@ -109,7 +110,7 @@ class StatusBar(Static):
     def clear_speed(self) -> None:
         """Forget the last turn's speed, cache and read figures (a turn or a session starts)."""
         self._base = None
-        self.speed = self.cache = self.per_token = ""
+        self.speed = self.cache = self.per_token = self.drafts = ""
         self._show()
 
     def update_stats(self, stats: Any) -> None:
@@ -131,6 +132,10 @@ class StatusBar(Static):
         read = delta.get("expert_bytes_read", 0) + delta.get("trunk_bytes_read", 0)
         if fed > 0:
             self.per_token = f"{format_bytes(read / fed)}/tok read"
+        proposed = getattr(stats, "draft_proposed", 0)
+        if proposed:
+            accepted = getattr(stats, "draft_accepted", 0)
+            self.drafts = f"drafts {accepted}/{proposed} kept ({100 * accepted / proposed:.0f}%)"
         self.set_context(stats.context_used, stats.context_limit)
 
     # ------------------------------------------------------------------ output
@@ -138,7 +143,7 @@ class StatusBar(Static):
     def _fields(self) -> list[tuple[str, str]]:
         fields = [("model", self.model), ("plan", self.plan), ("thinking", self.thinking), ("sampler", self.sampler),
                   ("phase", self.phase), ("speed", self.speed), ("cache", self.cache),
-                  ("per_token", self.per_token), ("context", self.context)]
+                  ("per_token", self.per_token), ("drafts", self.drafts), ("context", self.context)]
         return [(name, one_line(text, 60)) for name, text in fields if text]
 
     def parts(self) -> list[str]:
