@@ -501,3 +501,19 @@ def test_plan_shows_the_verify_record_within_the_budget(tmp_path: Path, capsys: 
     assert "speculative verify" in text and "up to 8 drafted tokens" in text
     assert json.loads(out.read_text())["plan"]["verify_bytes"] == verify_record_bytes(cfg, 8)
     assert main_plan([str(model_dir()), "--speculative", "65"]) == 2
+
+
+def test_verify_with_lm_head_streamed_in_blocks_keeps_the_held_bits(tiny_dir: Path) -> None:
+    """A verify pass computes every position's logits through lm_head: streamed in ragged
+    row blocks (the 8 GB-class plan) it must give the held lm_head's bits, state included."""
+    from k3engine.model import StreamOptions
+
+    head, tail = SEQ[:5], SEQ[5:11]
+    with Model(tiny_dir) as held, Model(tiny_dir, streaming=StreamOptions(head_block_rows=7)) as blocks:
+        rows, state = _serial(held, head, tail)
+        s = blocks.session(32)
+        s.feed(head)
+        assert same_bits(s.verify(tail), rows)
+        s.accept(len(tail))
+        assert bytes(s.export_state()) == state
+        assert blocks.stats()["head_bytes_read"] > 0  # lm_head really streamed
