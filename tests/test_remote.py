@@ -77,8 +77,8 @@ def test_run_remote_against_our_server_answers_as_the_demo_model_and_reuses_the_
     first = json.loads(out1.read_text())
     assert (first["reasoning"], first["answer"]) == (row["reasoning"], row["answer"])
     assert first["prompt_tokens"] == len(row["prompt_ids"])
-    # the server's usage: it does not wait for the end id after the closed response (test_server_openai)
-    assert first["generated_tokens"] == len(row["greedy_ids"]) - 1
+    # the server's usage counts every sampled id, the end id included, as a local turn records
+    assert first["generated_tokens"] == len(row["greedy_ids"])
     assert first["remote"] == server.url + "/v1" and first["model"] == "k3chat-demo"
     assert f"--- reasoning ---\n{row['reasoning']}" in printed.out and row["answer"] in printed.out
     assert "remote model k3chat-demo at " + server.url in printed.err
