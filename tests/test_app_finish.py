@@ -356,3 +356,26 @@ def test_the_keys_table_is_generated_from_the_bindings() -> None:
     assert "| an answer | `1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9` | Copy that code block |  |" in table
     assert "| chat | `G` | Last block | vim_last |" in table
     assert "| help | `escape`, `q`, `f1`, `?` | Close |  |" in table
+
+
+@pytest.mark.parametrize("quit_key", ["ctrl+q", "ctrl+x"])
+def test_quit_stays_in_the_footer_at_80_columns_and_a_keys_remap_moves_it(
+        quit_key: str, home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from dataclasses import replace
+
+    app = make_app(model, tok, tiny_dir, Script())
+    if quit_key != "ctrl+q":
+        app.settings = replace(app.settings, keys={"quit": quit_key})
+    footers: list[str] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=(80, 30)) as pilot:
+            await started(pilot)
+            await pilot.pause(0.2)
+            footers.extend(ln for ln in screen_text(app).splitlines() if "palette" in ln)
+            await pilot.press(quit_key)
+            await until(pilot, lambda: not app.is_running, "the quit")
+
+    run(scenario)
+    shown = "^" + quit_key[-1] + " Quit"
+    assert len(footers) == 1 and shown in footers[0], footers

@@ -46,6 +46,9 @@ def reasoning_tokens(generated: Sequence[int], boundary: Sequence[int]) -> int:
 
 class ChatScreen(Screen[None]):
     BINDINGS = [
+        # The app's quit, repeated first here so the footer shows it before the screen's keys:
+        # it is the one a narrow terminal must not cut off (same id: [keys] rebinds both).
+        Binding("ctrl+q", "app.quit", "Quit", priority=True, id="quit"),
         Binding("ctrl+r", "app.regenerate", "Regenerate", priority=True, id="regenerate"),
         Binding("ctrl+e", "app.edit_last", "Edit last", priority=True, id="edit_last"),
         Binding("ctrl+s", "app.sessions", "Sessions", priority=True, id="sessions"),
