@@ -379,3 +379,14 @@ def test_quit_stays_in_the_footer_at_80_columns_and_a_keys_remap_moves_it(
     run(scenario)
     shown = "^" + quit_key[-1] + " Quit"
     assert len(footers) == 1 and shown in footers[0], footers
+
+
+def test_the_readme_key_table_is_the_generated_one() -> None:
+    """README's key table is `python -m k3chat.app.keys`: a binding added without it fails."""
+    from k3chat.app.keys import markdown_table
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.exists():
+        pytest.skip(f"no README.md beside the tests ({readme}): an installed copy of the tests")
+    assert markdown_table() in readme.read_text(encoding="utf-8"), \
+        "README's key table is stale: paste the output of `python -m k3chat.app.keys`"
