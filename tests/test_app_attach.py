@@ -131,3 +131,34 @@ def test_a_refused_message_keeps_its_chips(home: Path, model: Any, tok: Tokenize
             assert HistoryStore().list() == [] and app.ui_errors == []
 
     run(scenario)
+
+
+def test_an_edited_message_still_shows_its_files(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    """ctrl+e keeps the message's files (Conversation.edit_last); the redrawn message shows them."""
+    (home.parent / "q3.csv").write_bytes(CSV)
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a", " One."), answer(tok, " b", " Two.")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pick_by_path(pilot, "q3.csv")
+            app.chat.prompt.set_text("North total?")
+            app.chat.prompt.focus()
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the first answer")
+            await pilot.press("ctrl+e")
+            assert app.chat.editing and app.chat.prompt.text == "North total?"
+            app.chat.prompt.set_text("South total?")
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the edited message's answer")
+            await pilot.pause(0.05)
+            user = app.chat.query_one(UserMessage)
+            assert user.text == "South total?" and [a["name"] for a in user.attachments] == ["q3.csv"]
+            assert "\U0001f4ce q3.csv \u00b7 CSV \u00b7 24 B" in screen_text(app)
+            records = HistoryStore().load(app.conv.session_id).records
+            assert records[0]["content"] == "South total?" and records[0]["attachments"][0]["name"] == "q3.csv"
+            assert app.ui_errors == []
+
+    run(scenario)

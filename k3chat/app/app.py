@@ -647,7 +647,7 @@ class K3ChatApp(App[int]):
         draft = chat.stop_edit(restore=False)
         if draft:
             chat.prompt.restore(draft)  # what was in the box before ctrl+e comes back
-        await self._start_turn("edit", text)
+        await self._start_turn("edit", text, shown=self._last_user_attachments())
 
     async def action_regenerate(self) -> None:
         if not self._can_start():
@@ -688,13 +688,21 @@ class K3ChatApp(App[int]):
             return
         self.chat.start_edit(str(users[-1].get("content", "")))
 
+    def _last_user_attachments(self) -> list[dict[str, Any]]:
+        """The history entries of the last message's files (an edited message keeps them)."""
+        users = [r for r in (self.conv.records if self.conv is not None else []) if r.get("role") == "user"]
+        return list(users[-1].get("attachments") or []) if users else []
+
     async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None,
-                          attachments: Sequence[Attachment] = ()) -> None:
+                          attachments: Sequence[Attachment] = (),
+                          shown: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """``shown``: the files to draw with the message when they are not sent anew (an edit)."""
         self.busy = True
         self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
-        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=[a.to_record() for a in attachments])
+        drawn = [a.to_record() for a in attachments] if shown is None else list(shown)
+        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=drawn)
         self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler, attachments), thread=True,
                                             group="turn", exit_on_error=False, name=f"turn:{kind}")
 
