@@ -420,10 +420,24 @@ class K3ChatApp(App[int]):
             note = self._adopt_session_thinking(conv)
             own, refused = self._adopt_session_sampler(conv)
             held = self._held(conv)
+            stopped = self._held_prompt(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own)
+        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own, stopped)
+
+    @staticmethod
+    def _held_prompt(conv: Conversation) -> tuple[int, int, str | None] | None:
+        """Thread: what a stopped prefill of the unanswered last message left in the saved
+        state (Conversation.held_prompt; the remote backend has none), never raising."""
+        find = getattr(conv, "held_prompt", None)
+        if find is None:
+            return None
+        try:
+            return find()
+        except Exception as exc:  # the next turn reads the prompt from the start, and says why
+            log.warning("the saved state of the unanswered message was not read: %s", exc)
+            return None
 
     def _adopt_session_thinking(self, conv: Conversation) -> str | None:
         """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
@@ -481,7 +495,8 @@ class K3ChatApp(App[int]):
         self.chat.show_notice(message, error=True)
 
     async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None,
-                              own: Settings | None = None) -> None:
+                              own: Settings | None = None,
+                              stopped: tuple[int, int, str | None] | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -507,10 +522,32 @@ class K3ChatApp(App[int]):
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
         if note:
             notes.append(note)
-        if conv.pending_user:
+        if stopped is not None and stopped[2]:
+            notes.append(stopped[2])  # why the saved state was refused
+        ask = conv.pending_user and stopped is not None and stopped[0] > 0
+        if ask:
+            assert stopped is not None
+            read, total, _ = stopped
+            notes.append(f"The last message has no answer (k3chat was stopped while it read the prompt): ctrl+r "
+                         f"continues reading it ({total - read:,} of {total:,} tokens left), ctrl+e edits it.")
+        elif conv.pending_user:
             notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it (a prompt stopped "
                          "while it was read continues from where it stopped), ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
+        if ask:
+            assert stopped is not None
+            self._ask_to_continue(*stopped[:2])
+
+    def _ask_to_continue(self, read: int, total: int) -> None:
+        """A session whose prefill was stopped: continue it now (as ctrl+r), or leave it."""
+        question = f"Continue reading the prompt? {total - read:,} of {total:,} tokens left (held: {read:,})"
+
+        async def chosen(yes: bool | None) -> None:
+            if yes and self.conv is not None and self.conv.pending_user:
+                self.chat.clear_notice()
+                await self.action_regenerate()
+
+        self.push_screen(ConfirmScreen(question, yes="Continue", no="Later"), chosen)
 
     def _close_conversation(self) -> None:
         """Leave the session (a switch, a new session, the end): its engine state is saved
