@@ -42,11 +42,13 @@ from textual.widgets import Input, TextArea
 
 from k3chat.attachments import Attachment, AttachmentError, read_attachment, token_count
 from k3chat.events import AnswerToken, ReasoningToken, Stats
+from k3chat.context_fit import ContextAdvice, advise, memory_text
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
 from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
+from k3chat.restart import Draft, RestartRequest, take_draft
 from k3chat.runtime import AFTER_STEP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, Failure, StopPolicy
 from k3chat.settings import Settings
 
@@ -217,6 +219,7 @@ class K3ChatApp(App[int]):
         self._theme_kept = ""  # the theme in use that needs no saving
         self._sent_chips: list[tuple[Attachment, int | None]] = []  # the last message's files, until it is taken
         self.attach_events: list[str] = []  # each file attached or refused (tests wait on it)
+        self.restart: RestartRequest | None = None  # set when the user chose to start again with a larger context
 
     # ------------------------------------------------------------------ setup
 
@@ -269,6 +272,24 @@ class K3ChatApp(App[int]):
         chat.status.set_model("opening the model", "")
         chat.show_progress("Opening the demo model" if self.demo else f"Opening {self.model_dir}")
         threading.Thread(target=self._load, name="k3chat-open", daemon=True).start()
+        self.run_worker(self._restore_draft(), exit_on_error=False, name="restore-draft")
+
+    async def _restore_draft(self) -> None:
+        """The message a restart for a larger context carried over (k3chat.restart): back in
+        the input with its files, and the draft file deleted."""
+        try:
+            draft = take_draft(self.store.vault)
+        except ValueError as exc:
+            self.say(str(exc), error=True)
+            return
+        if draft is None:
+            return
+        self.chat.prompt.restore(draft.text)
+        tokens = list(draft.tokens) + [None] * (len(draft.attachments) - len(draft.tokens))
+        chips = [(Attachment.from_record(entry), count) for entry, count in zip(draft.attachments, tokens)]
+        if chips:
+            await self.chat.attachment_bar.set_attachments(chips)
+        self.say("Your message is back in the input: enter sends it")
 
     # ------------------------------------------------------------------ thread plumbing
 
@@ -782,7 +803,8 @@ class K3ChatApp(App[int]):
         except (ContextOverflow, ConversationError) as exc:
             if created is not None:
                 self._drop_created(conv, created)
-            self._ui(self._turn_refused, kind, text, self._refusal_text(exc))
+            advice = self._fit_advice(exc)
+            self._ui(self._turn_refused, kind, text, self._refusal_text(exc, advice), advice)
         except TurnFailed as exc:
             self._ui(self._turn_error, str(exc))
         except HistoryError as exc:
@@ -848,20 +870,26 @@ class K3ChatApp(App[int]):
         await self._flush_streamed()
         await self.chat.turn_event(event)
 
-    def _refusal_text(self, exc: Exception) -> str:
-        """Thread: why a turn was refused; for a message that does not fit, the context and the
-        memory that would hold it (k3chat.context_fit, as `k3chat run` says it)."""
+    def _fit_advice(self, exc: Exception) -> ContextAdvice | None:
+        """Thread: for a message that does not fit, the context and the memory that would hold
+        it (k3chat.context_fit, as `k3chat run` says it); None for any other refusal."""
         engine = self.engine
         if not isinstance(exc, ContextOverflow) or engine is None or engine.memory == "remote":
-            return str(exc)
-        from k3chat.context_fit import advise
+            return None
         plan = engine.plan
-        advice = advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
-                        process_bytes=plan.process_bytes if plan is not None else 0)
+        return advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
+                      process_bytes=plan.process_bytes if plan is not None else 0)
+
+    def _refusal_text(self, exc: Exception, advice: ContextAdvice | None) -> str:
+        """Why a turn was refused, with the advice's numbers when there are some."""
+        engine = self.engine
+        if advice is None or engine is None:
+            return str(exc)
         return advice.message(engine.model_dir).replace("run again with --context",
                                                         "start k3chat again with --context")
 
-    async def _turn_refused(self, kind: str, text: str | None, message: str) -> None:
+    async def _turn_refused(self, kind: str, text: str | None, message: str,
+                            advice: ContextAdvice | None = None) -> None:
         chat = self.chat
         await chat.show_history(self.conv.records if self.conv is not None else [])
         if text is not None and kind in ("send", "edit"):
@@ -874,6 +902,28 @@ class K3ChatApp(App[int]):
         chat.show_notice(message, error=True)
         if self.conv is not None:
             chat.status.set_context(self._held(self.conv), self.conv.context)
+        if kind == "send" and advice is not None and advice.suggested is not None:
+            self._offer_restart(advice)
+
+    def _offer_restart(self, advice: ContextAdvice) -> None:
+        """Ask to start this session again with the context (and memory) that holds the message;
+        yes saves and exits with a restart request (k3chat.restart), the message kept."""
+        assert advice.suggested is not None
+        memory = memory_text(advice.memory) if advice.memory is not None else None
+        question = (f"Restart this session with context {advice.suggested:,}"
+                    + (f" (memory {memory})" if memory is not None else "") + "?")
+
+        async def chosen(yes: bool | None) -> None:
+            if not yes or self.busy or self._quitting:
+                return
+            chips = self.chat.attachment_bar.chips
+            draft = Draft(self.chat.prompt.text, tuple(chip.attachment.to_record() for chip in chips),
+                          tuple(chip.tokens for chip in chips))
+            session = self.session.id if self.session is not None else self.pending_name
+            self.restart = RestartRequest(session, advice.suggested or 0, memory, draft)
+            await self._save_and_quit(None)
+
+        self.push_screen(ConfirmScreen(question, yes="Restart", no="No"), chosen)
 
     def _turn_error(self, message: str) -> None:
         self.chat.show_notice(message, error=True)
