@@ -12,12 +12,14 @@ an entry in COMMANDS.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from .restart import RestartRequest
     from .settings import Settings
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
@@ -407,7 +409,39 @@ def _run_app(args: argparse.Namespace, settings: "Settings", model: object, fact
     from .display import for_terminal
     for line in app.goodbye():  # how to resume, and what could not be saved
         print(for_terminal(line), file=sys.stderr)
+    if app.restart is not None:  # the user chose a larger context for a message that did not fit
+        return _restart(getattr(args, "argv", sys.argv[1:]), app.restart, app.store.vault)
     return int(code if code is not None else (app.return_code or EXIT_OK))
+
+
+def _restart(argv: Sequence[str], request: "RestartRequest", sealer: object) -> int:
+    """Hand the unsent message over (k3chat.restart) and execute `k3chat` again with the new
+    context and memory; returns only if that failed (the message then waits for the next start)."""
+    import shlex
+
+    from .restart import hand_over, restart_argv
+
+    new = restart_argv(argv, request)
+    try:
+        hand_over(request.draft, sealer)  # type: ignore[arg-type]
+    except OSError as exc:
+        print(f"k3chat: cannot keep the message for the restart ({exc}); start again with: "
+              f"k3chat {shlex.join(new)}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(f"k3chat: starting again with: k3chat {shlex.join(new)}", file=sys.stderr)
+    sys.stderr.flush()
+    try:
+        _reexec(new)
+    except OSError as exc:
+        print(f"k3chat: could not start again ({exc}); run: k3chat {shlex.join(new)} (your message comes back "
+              "in the input)", file=sys.stderr)
+        return EXIT_RUNTIME
+    return EXIT_OK  # not reached: the process is replaced
+
+
+def _reexec(argv: Sequence[str]) -> None:
+    """Replace this process with `python -m k3chat ARGV` (the same interpreter and package)."""
+    os.execv(sys.executable, [sys.executable, "-m", "k3chat", *argv])
 
 
 def terminal_problem() -> str | None:
@@ -532,6 +566,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help
         return int(exc.code or 0)
+    args.argv = args_list  # `chat` starts itself again with them (k3chat.restart)
     handler = COMMANDS.get(args.command)
     if handler is None:
         parser.print_help(sys.stderr)

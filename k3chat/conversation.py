@@ -575,6 +575,21 @@ class Conversation:
 
         return self._turn(records, commit, on_event)
 
+    def held_prompt(self) -> tuple[int, int, str | None] | None:
+        """For an unanswered last message (a prefill that was stopped): (tokens of its prompt
+        the saved state holds, the prompt's length, why a state file was refused or None),
+        with the engine brought to that state now, so respond() continues from it without
+        reading the file again. None when nothing is pending or the prompt does not fit."""
+        if not self.pending_user:
+            return None
+        try:
+            prompt = self.prompt_ids()
+        except ContextOverflow:
+            return None  # respond() says so, with the numbers
+        self._ensure_session()
+        reused, _source, note = self._position_at(prompt)
+        return reused, len(prompt), note
+
     def save_state_now(self) -> str | None:
         """Save the engine state for the stored history without computing anything, for a
         front-end that is quitting or leaving the session whatever the way (a stopped or

@@ -452,11 +452,14 @@ class RemoteConversation:
         last_user = max((i for i, r in enumerate(self._records) if r.get("role") == "user"), default=None)
         if last_user is None:
             raise ConversationError("there is no message to edit")
-        records = self._records[:last_user] + [{"role": "user", "content": text}]
+        edited: dict[str, Any] = {"role": "user", "content": text}
+        if self._records[last_user].get("attachments"):  # its files stay with it, as Conversation.edit_last
+            edited["attachments"] = self._records[last_user]["attachments"]
+        records = self._records[:last_user] + [edited]
 
         def commit() -> None:
             self._truncate(last_user)
-            self._append({"role": "user", "content": text})
+            self._append(dict(edited))
 
         return self._turn(records, commit, on_event)
 

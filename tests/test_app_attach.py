@@ -131,3 +131,102 @@ def test_a_refused_message_keeps_its_chips(home: Path, model: Any, tok: Tokenize
             assert HistoryStore().list() == [] and app.ui_errors == []
 
     run(scenario)
+
+
+def test_an_edited_message_still_shows_its_files(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    """ctrl+e keeps the message's files (Conversation.edit_last); the redrawn message shows them."""
+    (home.parent / "q3.csv").write_bytes(CSV)
+    app = make_app(model, tok, tiny_dir, Script(answer(tok, " a", " One."), answer(tok, " b", " Two.")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pick_by_path(pilot, "q3.csv")
+            app.chat.prompt.set_text("North total?")
+            app.chat.prompt.focus()
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the first answer")
+            await pilot.press("ctrl+e")
+            assert app.chat.editing and app.chat.prompt.text == "North total?"
+            app.chat.prompt.set_text("South total?")
+            before = app.turns_over
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turns_over > before, "the edited message's answer")
+            await pilot.pause(0.05)
+            user = app.chat.query_one(UserMessage)
+            assert user.text == "South total?" and [a["name"] for a in user.attachments] == ["q3.csv"]
+            assert "\U0001f4ce q3.csv \u00b7 CSV \u00b7 24 B" in screen_text(app)
+            records = HistoryStore().load(app.conv.session_id).records
+            assert records[0]["content"] == "South total?" and records[0]["attachments"][0]["name"] == "q3.csv"
+            assert app.ui_errors == []
+
+    run(scenario)
+
+
+def test_a_refused_message_offers_a_restart_with_the_larger_context(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    """y: nothing sent or saved, the app exits with a restart request (context 1024, the
+    planner's memory) carrying the message and its file; the next app puts them back."""
+    from k3chat.context_fit import memory_text, planned_minimum
+    from k3chat.restart import draft_path, hand_over
+    from k3chat.app.screens.dialogs import ConfirmScreen
+
+    (home.parent / "long.txt").write_text("the pump log reads 7 bar\n" * 40)
+    memory = memory_text(planned_minimum(tiny_dir, 1024) or 0)
+    app = make_app(model, tok, tiny_dir, Script(), max_tokens=64, context=200)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await pick_by_path(pilot, "long.txt")
+            app.chat.prompt.set_text("Summarise")
+            app.chat.prompt.focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            question = f"Restart this session with context 1,024 (memory {memory})?"
+            await until(pilot, lambda: question in screen_text(app), "the question's text")
+            await pilot.press("y")
+            await until(pilot, lambda: not app.is_running, "the app to exit")
+
+    run(scenario)
+    request = app.restart
+    assert request is not None and (request.session, request.context, request.memory) == (None, 1024, memory)
+    assert request.draft.text == "Summarise"
+    assert [a["name"] for a in request.draft.attachments] == ["long.txt"]
+    assert HistoryStore().list() == [] and app.ui_errors == []
+
+    hand_over(request.draft, None)  # what `k3chat chat` does before it starts again
+    again = make_app(model, tok, tiny_dir, Script(), max_tokens=64, context=1024)
+
+    async def restarted() -> None:
+        async with again.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await until(pilot, lambda: again.chat.prompt.text == "Summarise", "the message back in the input")
+            await until(pilot, lambda: len(again.chat.query(AttachmentChip)) == 1, "its file back as a chip")
+            assert again.chat.query_one(AttachmentChip).attachment.name == "long.txt"
+            assert not draft_path().exists()
+
+    run(restarted)
+
+
+def test_no_to_the_restart_leaves_the_message_in_the_input(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    from k3chat.app.screens.dialogs import ConfirmScreen
+
+    app = make_app(model, tok, tiny_dir, Script(), max_tokens=64, context=200)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            app.chat.prompt.set_text("the pump log reads 7 bar " * 40)
+            app.chat.prompt.focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("n")
+            await pilot.pause(0.1)
+            assert app.is_running and app.restart is None
+            assert "does not fit the context" in screen_text(app)
+            assert app.chat.prompt.text.startswith("the pump log")
+
+    run(scenario)

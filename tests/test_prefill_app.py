@@ -3,6 +3,7 @@ progress bar, ctrl+c at a chunk boundary, and a later start that continues from 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from textual.widgets import ProgressBar  # noqa: E402
 
 from k3chat.app import build_app  # noqa: E402
 from k3chat.app.engine import Engine  # noqa: E402
+from k3chat.app.screens.dialogs import ConfirmScreen  # noqa: E402
 
 PIECE = 16
 DOCUMENT = " ".join(f"clause {i} of the lease" for i in range(48))  # about 500 tokens: a shown prefill
@@ -94,7 +96,7 @@ def screen_text(app: Any) -> str:
     return " ".join(" ".join(strip.text for strip in app.screen._compositor.render_strips()).split())
 
 
-def test_ctrl_c_mid_prefill_keeps_the_message_and_the_next_start_reads_only_the_rest(
+def test_ctrl_c_mid_prefill_keeps_the_message_and_the_next_start_asks_and_reads_only_the_rest(
         home: Path, model: Any, tok: Tokenizer, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from k3engine.model import Session
 
@@ -141,23 +143,39 @@ def test_ctrl_c_mid_prefill_keeps_the_message_and_the_next_start_reads_only_the_
     assert sf.n_tokens == held  # the state up to the chunk boundary, kept for the next start
 
     monkeypatch.setattr(Session, "feed", real)
-    again = make_app(model, tok, tiny_dir, answer, session=sid)
+    later = home.parent / "home-later"  # the same stopped session, for the "later" answer
+    shutil.copytree(home, later)
+    question = f"Continue reading the prompt? {len(prompt) - held:,} of {len(prompt):,} tokens left (held: {held:,})"
 
-    async def second() -> None:
-        async with again.run_test(size=(150, 45)) as pilot:
-            await until(pilot, lambda: again.ready and again.conv is not None and not again.loading_session,
-                        "the session to open")
-            assert again.conv.pending_user
-            await until(pilot, lambda: "ctrl+r answers it" in screen_text(again), "the note on the message")
-            before = model.stats()["tokens_fed"]
-            turns = again.turns_over
-            await pilot.press("ctrl+r")
-            await until(pilot, lambda: again.turns_over > turns, "the answer")
-            # The engine read the rest of the prompt and the answer's steps, nothing more.
-            assert model.stats()["tokens_fed"] - before == (len(prompt) - held) + (len(answer) - 1)
-            records = HistoryStore().load(sid).records
-            assert [(r["role"], r["content"]) for r in records] == [("user", DOCUMENT),
-                                                                     ("assistant", " It ends in May.")]
-            await pilot.press("ctrl+q")
+    def second(answer_key: str) -> Callable[[], Awaitable[None]]:
+        again = make_app(model, tok, tiny_dir, answer, session=sid)
 
-    run(second)
+        async def scenario() -> None:
+            async with again.run_test(size=(150, 45)) as pilot:
+                await until(pilot, lambda: isinstance(again.screen, ConfirmScreen), "the question on start")
+                assert again.conv is not None and again.conv.pending_user
+                await until(pilot, lambda: question in screen_text(again), "the question's text")
+                before = model.stats()["tokens_fed"]
+                turns = again.turns_over
+                await pilot.press(answer_key)
+                if answer_key == "n":  # left for later: the note says how to continue
+                    await pilot.pause(0.1)
+                    assert again.turns_over == turns and not again.busy
+                    assert model.stats()["tokens_fed"] == before
+                    note = f"ctrl+r continues reading it ({len(prompt) - held:,} of {len(prompt):,} tokens left)"
+                    assert note in screen_text(again)
+                    await pilot.press("ctrl+r")
+                await until(pilot, lambda: again.turns_over > turns, "the answer")
+                # The engine read the rest of the prompt and the answer's steps, nothing more.
+                assert model.stats()["tokens_fed"] - before == (len(prompt) - held) + (len(answer) - 1)
+                records = HistoryStore().load(sid).records
+                assert [(r["role"], r["content"]) for r in records] == [("user", DOCUMENT),
+                                                                         ("assistant", " It ends in May.")]
+                assert again.ui_errors == []
+                await pilot.press("ctrl+q")
+
+        return scenario
+
+    run(second("y"))
+    monkeypatch.setenv("K3CHAT_HOME", str(later))
+    run(second("n"))

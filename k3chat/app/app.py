@@ -42,11 +42,13 @@ from textual.widgets import Input, TextArea
 
 from k3chat.attachments import Attachment, AttachmentError, read_attachment, token_count
 from k3chat.events import AnswerToken, ReasoningToken, Stats
+from k3chat.context_fit import ContextAdvice, advise, memory_text
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
 from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
+from k3chat.restart import Draft, RestartRequest, take_draft
 from k3chat.runtime import AFTER_STEP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, Failure, StopPolicy
 from k3chat.settings import Settings
 
@@ -217,6 +219,7 @@ class K3ChatApp(App[int]):
         self._theme_kept = ""  # the theme in use that needs no saving
         self._sent_chips: list[tuple[Attachment, int | None]] = []  # the last message's files, until it is taken
         self.attach_events: list[str] = []  # each file attached or refused (tests wait on it)
+        self.restart: RestartRequest | None = None  # set when the user chose to start again with a larger context
 
     # ------------------------------------------------------------------ setup
 
@@ -269,6 +272,24 @@ class K3ChatApp(App[int]):
         chat.status.set_model("opening the model", "")
         chat.show_progress("Opening the demo model" if self.demo else f"Opening {self.model_dir}")
         threading.Thread(target=self._load, name="k3chat-open", daemon=True).start()
+        self.run_worker(self._restore_draft(), exit_on_error=False, name="restore-draft")
+
+    async def _restore_draft(self) -> None:
+        """The message a restart for a larger context carried over (k3chat.restart): back in
+        the input with its files, and the draft file deleted."""
+        try:
+            draft = take_draft(self.store.vault)
+        except ValueError as exc:
+            self.say(str(exc), error=True)
+            return
+        if draft is None:
+            return
+        self.chat.prompt.restore(draft.text)
+        tokens = list(draft.tokens) + [None] * (len(draft.attachments) - len(draft.tokens))
+        chips = [(Attachment.from_record(entry), count) for entry, count in zip(draft.attachments, tokens)]
+        if chips:
+            await self.chat.attachment_bar.set_attachments(chips)
+        self.say("Your message is back in the input: enter sends it")
 
     # ------------------------------------------------------------------ thread plumbing
 
@@ -420,10 +441,24 @@ class K3ChatApp(App[int]):
             note = self._adopt_session_thinking(conv)
             own, refused = self._adopt_session_sampler(conv)
             held = self._held(conv)
+            stopped = self._held_prompt(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own)
+        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own, stopped)
+
+    @staticmethod
+    def _held_prompt(conv: Conversation) -> tuple[int, int, str | None] | None:
+        """Thread: what a stopped prefill of the unanswered last message left in the saved
+        state (Conversation.held_prompt; the remote backend has none), never raising."""
+        find = getattr(conv, "held_prompt", None)
+        if find is None:
+            return None
+        try:
+            return find()
+        except Exception as exc:  # the next turn reads the prompt from the start, and says why
+            log.warning("the saved state of the unanswered message was not read: %s", exc)
+            return None
 
     def _adopt_session_thinking(self, conv: Conversation) -> str | None:
         """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
@@ -481,7 +516,8 @@ class K3ChatApp(App[int]):
         self.chat.show_notice(message, error=True)
 
     async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None,
-                              own: Settings | None = None) -> None:
+                              own: Settings | None = None,
+                              stopped: tuple[int, int, str | None] | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -507,10 +543,32 @@ class K3ChatApp(App[int]):
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
         if note:
             notes.append(note)
-        if conv.pending_user:
+        if stopped is not None and stopped[2]:
+            notes.append(stopped[2])  # why the saved state was refused
+        ask = conv.pending_user and stopped is not None and stopped[0] > 0
+        if ask:
+            assert stopped is not None
+            read, total, _ = stopped
+            notes.append(f"The last message has no answer (k3chat was stopped while it read the prompt): ctrl+r "
+                         f"continues reading it ({total - read:,} of {total:,} tokens left), ctrl+e edits it.")
+        elif conv.pending_user:
             notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it (a prompt stopped "
                          "while it was read continues from where it stopped), ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
+        if ask:
+            assert stopped is not None
+            self._ask_to_continue(*stopped[:2])
+
+    def _ask_to_continue(self, read: int, total: int) -> None:
+        """A session whose prefill was stopped: continue it now (as ctrl+r), or leave it."""
+        question = f"Continue reading the prompt? {total - read:,} of {total:,} tokens left (held: {read:,})"
+
+        async def chosen(yes: bool | None) -> None:
+            if yes and self.conv is not None and self.conv.pending_user:
+                self.chat.clear_notice()
+                await self.action_regenerate()
+
+        self.push_screen(ConfirmScreen(question, yes="Continue", no="Later"), chosen)
 
     def _close_conversation(self) -> None:
         """Leave the session (a switch, a new session, the end): its engine state is saved
@@ -647,7 +705,7 @@ class K3ChatApp(App[int]):
         draft = chat.stop_edit(restore=False)
         if draft:
             chat.prompt.restore(draft)  # what was in the box before ctrl+e comes back
-        await self._start_turn("edit", text)
+        await self._start_turn("edit", text, shown=self._last_user_attachments())
 
     async def action_regenerate(self) -> None:
         if not self._can_start():
@@ -688,13 +746,21 @@ class K3ChatApp(App[int]):
             return
         self.chat.start_edit(str(users[-1].get("content", "")))
 
+    def _last_user_attachments(self) -> list[dict[str, Any]]:
+        """The history entries of the last message's files (an edited message keeps them)."""
+        users = [r for r in (self.conv.records if self.conv is not None else []) if r.get("role") == "user"]
+        return list(users[-1].get("attachments") or []) if users else []
+
     async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None,
-                          attachments: Sequence[Attachment] = ()) -> None:
+                          attachments: Sequence[Attachment] = (),
+                          shown: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """``shown``: the files to draw with the message when they are not sent anew (an edit)."""
         self.busy = True
         self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
-        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=[a.to_record() for a in attachments])
+        drawn = [a.to_record() for a in attachments] if shown is None else list(shown)
+        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=drawn)
         self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler, attachments), thread=True,
                                             group="turn", exit_on_error=False, name=f"turn:{kind}")
 
@@ -737,7 +803,8 @@ class K3ChatApp(App[int]):
         except (ContextOverflow, ConversationError) as exc:
             if created is not None:
                 self._drop_created(conv, created)
-            self._ui(self._turn_refused, kind, text, self._refusal_text(exc))
+            advice = self._fit_advice(exc)
+            self._ui(self._turn_refused, kind, text, self._refusal_text(exc, advice), advice)
         except TurnFailed as exc:
             self._ui(self._turn_error, str(exc))
         except HistoryError as exc:
@@ -803,20 +870,26 @@ class K3ChatApp(App[int]):
         await self._flush_streamed()
         await self.chat.turn_event(event)
 
-    def _refusal_text(self, exc: Exception) -> str:
-        """Thread: why a turn was refused; for a message that does not fit, the context and the
-        memory that would hold it (k3chat.context_fit, as `k3chat run` says it)."""
+    def _fit_advice(self, exc: Exception) -> ContextAdvice | None:
+        """Thread: for a message that does not fit, the context and the memory that would hold
+        it (k3chat.context_fit, as `k3chat run` says it); None for any other refusal."""
         engine = self.engine
         if not isinstance(exc, ContextOverflow) or engine is None or engine.memory == "remote":
-            return str(exc)
-        from k3chat.context_fit import advise
+            return None
         plan = engine.plan
-        advice = advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
-                        process_bytes=plan.process_bytes if plan is not None else 0)
+        return advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
+                      process_bytes=plan.process_bytes if plan is not None else 0)
+
+    def _refusal_text(self, exc: Exception, advice: ContextAdvice | None) -> str:
+        """Why a turn was refused, with the advice's numbers when there are some."""
+        engine = self.engine
+        if advice is None or engine is None:
+            return str(exc)
         return advice.message(engine.model_dir).replace("run again with --context",
                                                         "start k3chat again with --context")
 
-    async def _turn_refused(self, kind: str, text: str | None, message: str) -> None:
+    async def _turn_refused(self, kind: str, text: str | None, message: str,
+                            advice: ContextAdvice | None = None) -> None:
         chat = self.chat
         await chat.show_history(self.conv.records if self.conv is not None else [])
         if text is not None and kind in ("send", "edit"):
@@ -829,6 +902,28 @@ class K3ChatApp(App[int]):
         chat.show_notice(message, error=True)
         if self.conv is not None:
             chat.status.set_context(self._held(self.conv), self.conv.context)
+        if kind == "send" and advice is not None and advice.suggested is not None:
+            self._offer_restart(advice)
+
+    def _offer_restart(self, advice: ContextAdvice) -> None:
+        """Ask to start this session again with the context (and memory) that holds the message;
+        yes saves and exits with a restart request (k3chat.restart), the message kept."""
+        assert advice.suggested is not None
+        memory = memory_text(advice.memory) if advice.memory is not None else None
+        question = (f"Restart this session with context {advice.suggested:,}"
+                    + (f" (memory {memory})" if memory is not None else "") + "?")
+
+        async def chosen(yes: bool | None) -> None:
+            if not yes or self.busy or self._quitting:
+                return
+            chips = self.chat.attachment_bar.chips
+            draft = Draft(self.chat.prompt.text, tuple(chip.attachment.to_record() for chip in chips),
+                          tuple(chip.tokens for chip in chips))
+            session = self.session.id if self.session is not None else self.pending_name
+            self.restart = RestartRequest(session, advice.suggested or 0, memory, draft)
+            await self._save_and_quit(None)
+
+        self.push_screen(ConfirmScreen(question, yes="Restart", no="No"), chosen)
 
     def _turn_error(self, message: str) -> None:
         self.chat.show_notice(message, error=True)
