@@ -230,3 +230,30 @@ def test_no_to_the_restart_leaves_the_message_in_the_input(
             assert app.chat.prompt.text.startswith("the pump log")
 
     run(scenario)
+
+
+def test_a_restart_keeps_the_users_memory_when_it_already_holds_the_larger_context(
+        home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    """Someone who gave --memory 64G must not be restarted with the planner's minimum."""
+    from types import SimpleNamespace
+
+    from k3chat.app.screens.dialogs import ConfirmScreen
+
+    (home.parent / "long.txt").write_text("the pump log reads 7 bar\n" * 40)
+    app = make_app(model, tok, tiny_dir, Script(), max_tokens=64, context=200)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            app.engine.plan = SimpleNamespace(budget=64 << 30, lookahead=0, process_bytes=0)  # this run's budget
+            await pick_by_path(pilot, "long.txt")
+            app.chat.prompt.set_text("Summarise")
+            app.chat.prompt.focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            assert "Restart this session with context 1,024?" in screen_text(app)
+            await pilot.press("y")
+            await until(pilot, lambda: not app.is_running, "the app to exit")
+
+    run(scenario)
+    assert app.restart is not None and (app.restart.context, app.restart.memory) == (1024, None)

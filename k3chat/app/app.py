@@ -910,6 +910,9 @@ class K3ChatApp(App[int]):
         yes saves and exits with a restart request (k3chat.restart), the message kept."""
         assert advice.suggested is not None
         memory = memory_text(advice.memory) if advice.memory is not None else None
+        plan = getattr(self.engine, "plan", None) if self.engine is not None else None
+        if memory is not None and plan is not None and plan.budget >= (advice.memory or 0):
+            memory = None  # the budget in use already holds it: keep the user's --memory
         question = (f"Restart this session with context {advice.suggested:,}"
                     + (f" (memory {memory})" if memory is not None else "") + "?")
 
