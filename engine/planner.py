@@ -32,7 +32,10 @@ same budget):
    ring of 2 slots, each as large as the largest streamed unit (bounded by its bytes + 64 B
    per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
    (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
-   unit. As many of the largest layers are pinned as the budget allows.
+   unit. As many of the largest layers are pinned as the budget allows. Only when the ring
+   does not fit otherwise, a streamed dense FFN is split one matrix per unit (`ffn_split`:
+   gate, up, down, read in the order the GLU uses them), so it needs a slot of its largest
+   matrix, not of all three.
 3. **Prefill chunk**: the largest pass (at most the context) that fits beside the trunk and
    the minimum expert cache: a bigger chunk reads each distinct expert, and every streamed
    trunk unit, once for more tokens (on K3 a 64-token pass touches ~613 of a layer's 896
@@ -69,13 +72,14 @@ about 1 MiB per token more. The smallest plan streams every layer, through ring 
 layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
 4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
 Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
-8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB lm_head streams: its 2.19 GiB
-become a 32 MiB block buffer (2,340 rows) and every token reads all of it (2.19 GiB, 71
-reads): 4.85 GiB at 8K (floor 1.87 + ring 2.71 + expert slots 0.28), 3.95 at one token,
-4.00 at 8K without the turn snapshot (0.85); what keeps it above 4 is the ring (two slots
-for layer 0's 1.35 GiB FFN unit), the snapshot, the KDA state (0.43) and the MLA cache (0.42).
-With lm_head streamed 8G holds at most 38,624 tokens and 16G 115,758.
-Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
+8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB layer 0's FFN streams split
+(ffn_split): its three 0.45 GiB matrices are units of their own, so the ring's slots are
+sized for a KDA attention unit (0.83), the same bytes read per token: 5.95 GiB at 8K with
+lm_head held. Below that lm_head streams: its 2.19 GiB become a 32 MiB block buffer (2,340
+rows) and every token reads all of it (2.19 GiB, 71 reads): 4.85 GiB at 8K with the FFN
+one unit (floor 1.87 + ring 2.71 + expert slots 0.28), and, split, 3.80 (floor 1.87 + ring
+1.65 + expert slots 0.28), 2.90 at one token, 2.94 at 8K without the turn snapshot (0.85). With lm_head streamed 8G holds at most 48,792 tokens and 16G 125,926.
+Lookahead adds 92 routers (1.10 GiB) to the smallest plan (4.90 at 8K). A resident trunk
 needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
 binds).
