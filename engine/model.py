@@ -125,6 +125,7 @@ class StreamOptions:
     embed_stream: bool = False       # read embedding rows per token instead of holding them
     prefill_chunk: int = 64          # prompt tokens per pass: each distinct expert read once per pass
     head_block_rows: int = 0         # 0: lm_head held; N: read per pass in blocks of N rows
+    ffn_split: bool = False          # a streamed dense FFN comes through the ring one matrix per unit
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class Model:
             raise ValueError(f"head_block_rows must be 0 (lm_head held) or >= 1 row, got "
                              f"{so.head_block_rows}")
         o.head_block_rows = int(so.head_block_rows)
+        o.ffn_split = 1 if so.ffn_split else 0
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")
@@ -214,7 +216,8 @@ class Model:
         """Test hook: the next read of (layer, expert) fails with EIO.
 
         expert -1 targets the layer's streamed trunk, -2 any expert of the layer, -3 the
-        next streamed lm_head block (layer ignored)."""
+        next streamed lm_head block (layer ignored), -4 the layer's split FFN down matrix
+        (read after its gate and up units)."""
         self._call("k3_model_inject_fault", int(layer), int(expert), int(kind))
 
     # ---- settings ----

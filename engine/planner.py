@@ -32,7 +32,10 @@ same budget):
    ring of 2 slots, each as large as the largest streamed unit (bounded by its bytes + 64 B
    per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
    (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
-   unit. As many of the largest layers are pinned as the budget allows.
+   unit. As many of the largest layers are pinned as the budget allows. Only when the ring
+   does not fit otherwise, a streamed dense FFN is split one matrix per unit (`ffn_split`:
+   gate, up, down, read in the order the GLU uses them), so it needs a slot of its largest
+   matrix, not of all three.
 3. **Prefill chunk**: the largest pass (at most the context) that fits beside the trunk and
    the minimum expert cache: a bigger chunk reads each distinct expert, and every streamed
    trunk unit, once for more tokens (on K3 a 64-token pass touches ~613 of a layer's 896
@@ -69,13 +72,14 @@ about 1 MiB per token more. The smallest plan streams every layer, through ring 
 layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
 4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
 Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
-8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB lm_head streams: its 2.19 GiB
-become a 32 MiB block buffer (2,340 rows) and every token reads all of it (2.19 GiB, 71
-reads): 4.85 GiB at 8K (floor 1.87 + ring 2.71 + expert slots 0.28), 3.95 at one token,
-4.00 at 8K without the turn snapshot (0.85); what keeps it above 4 is the ring (two slots
-for layer 0's 1.35 GiB FFN unit), the snapshot, the KDA state (0.43) and the MLA cache (0.42).
-With lm_head streamed 8G holds at most 38,624 tokens and 16G 115,758.
-Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
+8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB layer 0's FFN streams split
+(ffn_split): its three 0.45 GiB matrices are units of their own, so the ring's slots are
+sized for a KDA attention unit (0.83), the same bytes read per token: 5.95 GiB at 8K with
+lm_head held. Below that lm_head streams: its 2.19 GiB become a 32 MiB block buffer (2,340
+rows) and every token reads all of it (2.19 GiB, 71 reads): 4.85 GiB at 8K with the FFN
+one unit (floor 1.87 + ring 2.71 + expert slots 0.28), and, split, 3.80 (floor 1.87 + ring
+1.65 + expert slots 0.28), 2.90 at one token, 2.94 at 8K without the turn snapshot (0.85). With lm_head streamed 8G holds at most 48,792 tokens and 16G 125,926.
+Lookahead adds 92 routers (1.10 GiB) to the smallest plan (4.90 at 8K). A resident trunk
 needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
 binds).
@@ -182,6 +186,9 @@ class TensorSizes:
     expert_bytes: int  # one routed expert's six tensors
     n_experts_total: int  # routed experts over all MoE layers
     source: str  # "shard headers", "index + catalogue" or a mix
+    # a dense layer's largest FFN matrix, as stored: its unit when the FFN streams split
+    # (ffn_split); 0 for a MoE layer, whose FFN is always one unit
+    layer_ffn_largest: tuple[int, ...] = ()
 
     @property
     def trunk_total(self) -> int:
@@ -258,7 +265,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
         return n * FLOAT
 
     cols: dict[str, list[int]] = {k: [] for k in ("trunk", "attn", "attn_n", "ffn", "ffn_n",
-                                                  "router", "vectors")}
+                                                  "router", "vectors", "ffn_max")}
+    moe = set(cfg.moe_layers)
     for layer in range(cfg.n_layers):
         prefix = layer_prefix(layer)
         row = dict.fromkeys(cols, 0)
@@ -273,6 +281,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
                 row["ffn_n"] += 1
                 if local == ROUTER:
                     row["router"] = nbytes[name]
+                if layer not in moe:
+                    row["ffn_max"] = max(row["ffn_max"], nbytes[name])
             else:
                 row["vectors"] += fp32(name)
         for key, value in row.items():
@@ -288,7 +298,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
         lm_head=nbytes[head_name],
         model_vectors=sum(fp32(n) for n in models if n not in (embed_name, head_name)),
         expert_bytes=_expert_bytes(cfg, nbytes),
-        n_experts_total=len(cfg.moe_layers) * cfg.n_experts, source=source)
+        n_experts_total=len(cfg.moe_layers) * cfg.n_experts, source=source,
+        layer_ffn_largest=tuple(cols["ffn_max"]))
 
 
 def _expert_bytes(cfg: ModelConfig, nbytes: Mapping[str, int]) -> int:
@@ -574,7 +585,7 @@ class PlanError(Exception):
         self.machine_limit = machine_limit
 
 
-_UNIT_NAMES = ("attention", "FFN")
+_UNIT_NAMES = ("attention", "FFN", "split FFN")  # unit index 2: one matrix of a split FFN
 PROCESS_PART = "process (beside the engine)"
 
 
@@ -630,6 +641,7 @@ class Plan:
     head_stream: bool = False  # lm_head read per pass in row blocks; only when held cannot fit
     head_block_rows: int = 0  # rows per block when head_stream (0: held)
     head_table_bytes: int = 0  # lm_head as stored: what head_stream reads per token
+    ffn_split: bool = False  # streamed dense FFNs one matrix per ring unit; only when needed
     machine_limit: int | None = None  # what the machine could hold, when it was checked
     speculative: int = 0  # drafted tokens verified per pass (0: off)
     verify_bytes: int = 0  # its verify record and logits (verify_record_bytes)
@@ -639,6 +651,7 @@ class Plan:
     layer_matrix_bytes: tuple[int, ...] = field(default=(), repr=False)  # cost when pinned
     layer_unit_slots: tuple[tuple[int, int], ...] = field(default=(), repr=False)  # ring
     # slot bound of the (attention, FFN) units if the layer streams under this lookahead
+    # (with ffn_split a dense layer's FFN entry is its largest matrix's unit)
 
     @property
     def floor_parts(self) -> dict[str, int]:
@@ -715,6 +728,7 @@ class Plan:
             "embed_stream": self.embed_stream,
             "prefill_chunk": self.prefill_chunk,  # the chunk the work buffers were sized for
             "head_block_rows": self.head_block_rows if self.head_stream else 0,
+            "ffn_split": self.ffn_split,
         }
 
     def stream_options(self, reader_threads: int = IO_READERS) -> Any:
@@ -808,6 +822,9 @@ def _render_table(p: Plan, disk_gb_per_s: float | None = None) -> str:
                           f"{p.ring_slot_bytes:,} B each (largest streamed unit: "
                           f"{p.ring_unit} matrices, {p.ring_unit_bytes:,} B in "
                           f"{p.ring_unit_tensors} tensors)"))
+        if p.ffn_split:
+            lines.append("    (streamed dense FFNs split: one matrix per unit, gate, up, down, "
+                         "so none needs a slot of its three)")
     lines.append("expert cache")
     lines.append(_row(f"{p.expert_slots:,} slots", p.expert_cache_bytes,
                       f"{p.expert_slot_bytes:,} B each (expert {p.expert_bytes:,} B + "
@@ -830,7 +847,7 @@ def _render_table(p: Plan, disk_gb_per_s: float | None = None) -> str:
     lines.append(f"engine options: trunk_stream={opts['trunk_stream']}, ring_slots="
                  f"{opts['ring_slots']}, pinned {pinned}, embed_stream={p.embed_stream}, "
                  f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}, "
-                 f"head_block_rows={opts['head_block_rows']:,}")
+                 f"head_block_rows={opts['head_block_rows']:,}, ffn_split={p.ffn_split}")
     if p.machine_limit is not None:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
@@ -874,11 +891,18 @@ class _Layout:
     streamed: tuple[int, ...]  # read per token when streamed
     routers: tuple[int, ...]  # held when streamed (lookahead only)
     units: tuple[tuple[int, int], ...]  # ring slot bound of (attention, FFN) when streamed
-    unit_raw: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # (bytes, tensors) each
+    split: tuple[int, ...]  # slot bound of a split FFN's largest matrix (0: cannot split)
+    # (bytes, tensors) of each unit index of _UNIT_NAMES: attention, FFN, split FFN matrix
+    unit_raw: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int]], ...]
     # read buffers while the layer is opened: a pinned layer's whole run (or, when it is not
     # contiguous, one tensor at a time); a streamed layer's resident tensors one at a time
     open_pinned: tuple[int, ...]
     open_streamed: tuple[int, ...]
+
+    def unit_slots(self, ffn_split: bool) -> tuple[tuple[int, int], ...]:
+        """Per layer, the slot bounds of its (attention, FFN) units as the engine streams
+        them: with ffn_split a dense layer's FFN needs only its largest matrix."""
+        return tuple((a, s if ffn_split and s else f) for (a, f), s in zip(self.units, self.split))
 
 
 def _layout(ts: TensorSizes, lookahead: int) -> _Layout:
@@ -888,12 +912,14 @@ def _layout(ts: TensorSizes, lookahead: int) -> _Layout:
     for L in range(n):
         attn = (ts.layer_attn[L], ts.layer_attn_count[L])
         ffn = (ts.layer_ffn[L] - routers[L], ts.layer_ffn_count[L] - (1 if routers[L] else 0))
-        raw.append((attn, ffn))
+        largest = ts.layer_ffn_largest[L] if ts.layer_ffn_largest else 0
+        raw.append((attn, ffn, (largest, 1) if largest else (0, 0)))
     streamed = tuple(ts.layer_matrices(L) - routers[L] for L in range(n))
     return _Layout(
         matrices=tuple(ts.layer_matrices(L) for L in range(n)), streamed=streamed,
         routers=routers,
-        units=tuple((unit_slot_bytes(*a), unit_slot_bytes(*f)) for a, f in raw),
+        units=tuple((unit_slot_bytes(*a), unit_slot_bytes(*f)) for a, f, _ in raw),
+        split=tuple(unit_slot_bytes(*m) for _, _, m in raw),
         unit_raw=tuple(raw), open_pinned=ts.layer_trunk,
         open_streamed=tuple(ts.layer_trunk[L] - streamed[L] for L in range(n)))
 
@@ -910,6 +936,7 @@ class _Trunk:
     streamed_bytes: int
     router_bytes: int
     open_buffer: int  # the largest read buffer while the layers are opened
+    ffn_split: bool = False  # streamed dense FFNs come one matrix per ring unit
 
     def cost(self, ring_slots: int) -> int:
         """Trunk memory: pinned matrices + ring + routers held for the lookahead."""
@@ -924,6 +951,9 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
     token instead (only that may let a resident trunk fit). Then the p largest layers
     pinned and the rest streamed (with embedding rows read per token): for a fixed count p
     that pins the most bytes, and here the ring is sized by the largest streamed unit.
+    When a streamed dense FFN is that unit, the same layout follows with the FFN split one
+    matrix per unit (ffn_split, a smaller ring): after the unsplit one, so the FFN splits
+    only when the budget needs it, and before pinning fewer layers (same bytes read).
     """
     n = len(lay.matrices)
     everything = tuple(range(n))
@@ -935,6 +965,7 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
     options = [_Trunk(True, embed, everything, (), 0, None, total, 0, 0, pinned_open[n])
                for embed in (False, True)]
     best: tuple[int, int, int] = (0, 0, 0)  # (slot bound, layer, unit): the ring's unit
+    best_split = best  # the same with every streamed dense FFN split
     streamed: list[int] = []
     pinned_bytes, streamed_bytes, router_bytes, streamed_open = total, 0, 0, 0
     for p in range(n - 1, -1, -1):
@@ -947,9 +978,17 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
         for u in (0, 1):  # ties name the lowest layer
             if (lay.units[L][u], -L) > (best[0], -best[1]):
                 best = (lay.units[L][u], L, u)
-        options.append(_Trunk(False, True, tuple(sorted(order[:p])), tuple(sorted(streamed)),
-                              best[0], (best[1], best[2]), pinned_bytes, streamed_bytes,
-                              router_bytes, max(pinned_open[p], streamed_open)))
+        for u, bound in ((0, lay.units[L][0]), (2, lay.split[L]) if lay.split[L] else (1, lay.units[L][1])):
+            if (bound, -L) > (best_split[0], -best_split[1]):
+                best_split = (bound, L, u)
+        pinned_now, streamed_now = tuple(sorted(order[:p])), tuple(sorted(streamed))
+        open_buffer = max(pinned_open[p], streamed_open)
+        options.append(_Trunk(False, True, pinned_now, streamed_now, best[0], (best[1], best[2]),
+                              pinned_bytes, streamed_bytes, router_bytes, open_buffer))
+        if best_split[0] < best[0]:
+            options.append(_Trunk(False, True, pinned_now, streamed_now, best_split[0],
+                                  (best_split[1], best_split[2]), pinned_bytes, streamed_bytes,
+                                  router_bytes, open_buffer, ffn_split=True))
     return options
 
 
@@ -1246,8 +1285,8 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         layer_bytes=ts.layer_trunk,
         open_peak_bytes=_open_peak(ts, floor, trunk, head_stream),
         head_stream=head_stream, head_block_rows=head_block_rows(cfg, ts) if head_stream else 0,
-        head_table_bytes=ts.lm_head,
-        layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.units,
+        head_table_bytes=ts.lm_head, ffn_split=trunk.ffn_split,
+        layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.unit_slots(trunk.ffn_split),
     )
 
 

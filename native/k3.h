@@ -89,6 +89,10 @@ typedef struct k3_open_opts {
                                   * wants logits reads it from the shard in blocks of this
                                   * many rows into one buffer, applied block by block (every
                                   * logit is the same row dot product: same bits). */
+    int32_t ffn_split;           /* 1: a streamed dense layer's FFN comes through the ring
+                                  * one matrix per unit (gate, up, down), so a slot needs
+                                  * only its largest matrix; same kernels in the same order,
+                                  * same bits.  0: the three matrices are one unit. */
 } k3_open_opts;
 
 typedef struct k3_stats {
@@ -134,7 +138,8 @@ int32_t k3_model_simd_active(const k3_model *m);
 int k3_model_stats(const k3_model *m, k3_stats *out);
 /* Test hook: the next read of (layer, expert) fails with EIO (expert -1: that layer's
  * streamed trunk; -2: any expert of that layer; -3: the next streamed lm_head block,
- * layer ignored).  kind 0 clears. */
+ * layer ignored; -4: that layer's split FFN down matrix, the unit after gate and up).
+ * kind 0 clears. */
 int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind);
 /* Stateless full forward over ids[0..n): logits_all gets n*V floats.
  * shared_kda_slot = 1 uses one KDA state slot re-zeroed before each KDA layer. */

@@ -110,7 +110,8 @@ typedef struct kr_read {
     uint64_t off, len, slot_off;
 } kr_read;
 
-/* A streaming unit: the attention matrices or the FFN matrices of one layer. */
+/* A streaming unit: the attention matrices or the FFN matrices of one layer; with
+ * ffn_split a dense layer's FFN is three units, one matrix each, in the order it uses them. */
 typedef struct kr_unit {
     kr_entry *e;
     int n, cap;
@@ -119,7 +120,8 @@ typedef struct kr_unit {
     uint64_t bytes;        /* slot bytes this unit needs */
 } kr_unit;
 
-enum { KR_ATTN = 0, KR_FFN = 1 };
+/* KR_FFN is the whole FFN, or the gate matrix when the layer's FFN is split */
+enum { KR_ATTN = 0, KR_FFN = 1, KR_FFN_UP = 2, KR_FFN_DOWN = 3, KR_UNITS = 4 };
 
 typedef struct kr_ring kr_ring;
 int kr_ring_create(k3_model *m, char *err, size_t errlen);
@@ -153,7 +155,8 @@ typedef struct km_layer {
     float *router_bias, *lat_norm;
     kx_expert_loc *experts; /* [n_experts] */
     int streamed;           /* matrices come through the trunk ring */
-    kr_unit su[2];          /* KR_ATTN, KR_FFN */
+    int ffn_split;          /* streamed dense FFN: units KR_FFN (gate), KR_FFN_UP, KR_FFN_DOWN */
+    kr_unit su[KR_UNITS];   /* KR_ATTN, KR_FFN, and with ffn_split KR_FFN_UP, KR_FFN_DOWN */
 } km_layer;
 
 struct k3_model {
@@ -250,6 +253,10 @@ size_t moe_scratch_floats(const k3_config *c, int ntok);
 void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int ntok, float *out,
                    float *scratch);
 size_t dense_scratch_floats(const k3_config *c, int ntok);
+/* dense_forward for a layer whose FFN is split: acquires and releases each matrix's unit
+ * around the matmul that uses it (same arithmetic as dense_forward). */
+int dense_forward_split(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok,
+                        float *out, float *scratch, char *err, size_t errlen);
 
 /* time in ns (monotonic) */
 uint64_t km_now_ns(void);

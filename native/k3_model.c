@@ -208,6 +208,11 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         km_attn_res(m, B, nB + 1, ly->mlp_res_u, ntok, x, kc.simd);
         for (int t = 0; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, ly->post_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->ffn_split) { /* its three matrices come through the ring one by one */
+            if ((rc = dense_forward_split(m, L, ly, xn, ntok, a, scratch, err, errlen)) != K3_OK) break;
+            for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
+            continue;
+        }
         if (ly->streamed && (rc = kr_acquire(m->ring, L, KR_FFN, err, errlen)) != K3_OK) break;
         if (ly->is_moe)
             rc = moe_forward(m, L, ly, xn, ntok, a, scratch, err, errlen);
