@@ -234,27 +234,33 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
     return rc;
 }
 
+/* Ids a feed or a verify may take: each inside the vocabulary, and room for all n. */
+static int km_check_ids(const k3_model *m, const ks_state *st, const int32_t *ids, int n, const char *what,
+                        char *err, size_t errlen) {
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->cfg.vocab) {
+            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
+                       m->cfg.vocab);
+            return K3_ERR_INVALID;
+        }
+    if ((int64_t)st->len + n > st->cap) {
+        km_set_err(err, errlen, "context full: %d positions fed + %d %s > capacity %d", st->len, n, what, st->cap);
+        return K3_ERR_INVALID;
+    }
+    return K3_OK;
+}
+
 int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n, float *logits_all,
               const volatile int32_t *cancel, char *err, size_t errlen) {
-    const k3_config *c = &m->cfg;
     d->n = 0;
     if (n <= 0 || n > d->cap || st->shared_slot) {
         km_set_err(err, errlen, "a verify feed needs 1..%d positions, got %d", d->cap, n);
         return K3_ERR_INVALID;
     }
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= c->vocab) {
-            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
-                       c->vocab);
-            return K3_ERR_INVALID;
-        }
-    if ((int64_t)st->len + n > st->cap) {
-        km_set_err(err, errlen, "context full: %d positions fed + %d to verify > capacity %d", st->len, n,
-                   st->cap);
-        return K3_ERR_INVALID;
-    }
+    int rc = km_check_ids(m, st, ids, n, "to verify", err, errlen);
+    if (rc != K3_OK) return rc;
     /* one pass whatever the prefill chunk: the point is to read the weights once for all n */
-    int rc = km_chunk(m, st, ids, n, logits_all, 1, cancel, d, err, errlen);
+    rc = km_chunk(m, st, ids, n, logits_all, 1, cancel, d, err, errlen);
     if (rc != K3_OK) return rc;
     memcpy(d->ids, ids, sizeof(int32_t) * (size_t)n);
     d->n = n; /* tokens_fed grows on accept: per-token figures count what entered the session */
@@ -268,16 +274,8 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         km_set_err(err, errlen, "nothing to feed");
         return K3_ERR_INVALID;
     }
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= c->vocab) {
-            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
-                       c->vocab);
-            return K3_ERR_INVALID;
-        }
-    if ((int64_t)st->len + n > st->cap) {
-        km_set_err(err, errlen, "context full: %d positions fed + %d new > capacity %d", st->len, n, st->cap);
-        return K3_ERR_INVALID;
-    }
+    int checked = km_check_ids(m, st, ids, n, "new", err, errlen);
+    if (checked != K3_OK) return checked;
     /* the shared KDA slot only holds within one pass over the whole sequence */
     int chunk = st->shared_slot ? n : (m->opts.prefill_chunk > 0 ? m->opts.prefill_chunk : KM_CHUNK);
     for (int done = 0; done < n;) {
