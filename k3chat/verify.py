@@ -448,8 +448,11 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def verify(model_dir: Path, manifest: Path | None = None, write_manifest: bool = False,
            stream: Any = None, jobs: int = 1) -> dict[str, Any]:
     """Check MODEL_DIR; the report as data (see main_verify for the exit codes)."""
+    if not model_dir.exists():
+        raise Failure(f"{model_dir} does not exist: give the directory that holds the shards and "
+                      "model.safetensors.index.json", EXIT_USAGE)
     if not model_dir.is_dir():
-        raise Failure(f"{model_dir} is not a directory", EXIT_USAGE)
+        raise Failure(f"{model_dir} is a file, not a directory: give the directory that holds it", EXIT_USAGE)
     names, index_problem = _shard_names(model_dir)
     key = _dir_key(model_dir)
     home = state_dir() / "verify"

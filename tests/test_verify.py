@@ -267,3 +267,16 @@ def test_hash_file_matches_hashlib_across_block_edges(tmp_path: Path) -> None:
     seen: list[int] = []
     assert vf.hash_file(path, seen.append, block=4096) == hashlib.sha256(data).hexdigest()
     assert seen == [4096, 4096, 4096, 17]
+
+
+def test_a_missing_or_file_model_dir_is_named_with_what_to_give(tmp_path: Path) -> None:
+    from k3chat.runtime import Failure
+    from k3chat.verify import verify
+
+    with pytest.raises(Failure, match="does not exist: give the directory") as missing:
+        verify(tmp_path / "nope")
+    shard = tmp_path / "model-00001.safetensors"
+    shard.write_bytes(b"x")
+    with pytest.raises(Failure, match="is a file, not a directory") as a_file:
+        verify(shard)
+    assert missing.value.code == a_file.value.code == 2
