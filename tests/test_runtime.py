@@ -298,3 +298,21 @@ def test_a_signal_after_the_command_returned_keeps_its_exit_code(tmp_path: Path)
                           env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")}, cwd=tmp_path)
     assert done.returncode == 3, (done.returncode, done.stderr)
     assert "still here" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_small_model_defaults_to_one_thread_and_threads_still_wins() -> None:
+    """Waking a second thread for each of the demo's small matrices made decoding ~5x slower;
+    the default is one thread below SMALL_MODEL_HIDDEN, an explicit --threads is kept."""
+    from k3chat.demo import model_dir
+    from k3chat.runtime import SMALL_MODEL_HIDDEN, open_model
+
+    opened = open_model(model_dir(), memory="auto", context=256, tokenizer=False)
+    try:
+        assert opened.model.config.hidden < SMALL_MODEL_HIDDEN and opened.threads == 1
+    finally:
+        opened.model.close()
+    opened = open_model(model_dir(), memory="auto", context=256, tokenizer=False, threads=2)
+    try:
+        assert opened.threads == 2
+    finally:
+        opened.model.close()
