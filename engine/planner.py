@@ -1336,17 +1336,7 @@ def _lookahead_arg(text: str) -> int:
     return value
 
 
-MAX_SPECULATIVE = 64  # the chat core's limit (k3chat.conversation.MAX_SPECULATIVE)
-
-
-def _speculative_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of drafted tokens, got {text!r}") from None
-    if not 0 <= value <= MAX_SPECULATIVE:
-        raise argparse.ArgumentTypeError(f"expected 0 (off) to {MAX_SPECULATIVE} drafted tokens, got {value}")
-    return value
+from .limits import MAX_SPECULATIVE, speculative_arg  # noqa: E402 - one definition
 
 
 def _prompt_arg(text: str) -> int:
@@ -1414,7 +1404,7 @@ def _parser() -> argparse.ArgumentParser:
                          "or auto (default)")
     ap.add_argument("--context", type=_context_arg, default=DEFAULT_CONTEXT,
                     help=f"tokens of context to size the session for (default {DEFAULT_CONTEXT})")
-    ap.add_argument("--speculative", type=_speculative_arg, default=0, metavar="N",
+    ap.add_argument("--speculative", type=speculative_arg, default=0, metavar="N",
                     help="count the verify record of exact speculative decoding with up to N "
                          "drafted tokens (run/chat/serve --speculative N); default 0, off")
     ap.add_argument("--lookahead", type=_lookahead_arg, default=None,

@@ -1181,7 +1181,7 @@ class _TurnState:
     draft_accepted: int = 0
 
 
-MAX_SPECULATIVE = 64  # drafted tokens per verify pass; the verify record grows with it
+from k3engine.limits import MAX_SPECULATIVE  # noqa: E402 - one definition (the planner's too)
 
 
 def check_speculative(n: object) -> int:

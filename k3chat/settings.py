@@ -214,7 +214,7 @@ def _max_tokens(value: object) -> int:
     return n
 
 
-MAX_SPECULATIVE = 64  # k3chat.conversation.MAX_SPECULATIVE (the chat core is not imported here)
+from k3engine.limits import MAX_SPECULATIVE  # noqa: E402 - one definition for every front-end
 
 
 def _speculative(value: object) -> int:

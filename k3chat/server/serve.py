@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from k3engine.limits import speculative_arg
 
 from ..runtime import Failure, StopPolicy, open_model, say
 
@@ -55,20 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
     p.add_argument("--queue", type=_positive, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
-    p.add_argument("--speculative", type=_speculative, default=None, metavar="N",
+    p.add_argument("--speculative", type=speculative_arg, default=None, metavar="N",
                    help="exact speculative decoding: verify up to N tokens drafted from each conversation in "
                         "one pass (0 = off; default: config.toml, else 0); answers are the same")
-
-
-def _speculative(text: str) -> int:
-    from ..settings import MAX_SPECULATIVE
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of drafted tokens, got {text!r}") from None
-    if not 0 <= value <= MAX_SPECULATIVE:
-        raise argparse.ArgumentTypeError(f"expected 0 (off) to {MAX_SPECULATIVE} drafted tokens, got {value}")
-    return value
 
 
 def _positive(text: str) -> int:
