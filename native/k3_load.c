@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "k3_internal.h"
+#include "k3_platform.h"
 
 #define KM_PREFIX "language_model.model."
 
@@ -517,6 +518,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
             km_free_all(m);
             return K3_ERR_IO;
         }
+        if (m->opts.direct_io) kos_prefer_uncached(m->shards[i].fd); /* macOS: streamed reads too */
     }
     km_index ix;
     int ir = km_index_build(&ix, tensors, n_tensors);

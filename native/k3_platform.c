@@ -1,7 +1,8 @@
 /* k3_platform.c: uncached reads per operating system (see k3_platform.h).
  *
  * Linux: O_DIRECT, and posix_fadvise(DONTNEED) after buffered reads.  macOS: F_NOCACHE on
- * the descriptor (macOS has neither O_DIRECT nor posix_fadvise).  Elsewhere: buffered
+ * the uncached descriptors and on the buffered ones that stream (macOS has neither O_DIRECT
+ * nor posix_fadvise, so a streamed trunk would otherwise fill the page cache).  Elsewhere: buffered
  * reads only; asking for direct I/O is then reported as refused (k3_stats).
  */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
@@ -37,6 +38,8 @@ void kos_drop_cached(int fd, uint64_t off, uint64_t len) {
     (void)len;
 }
 
+void kos_prefer_uncached(int fd) { (void)fcntl(fd, F_NOCACHE, 1); }
+
 #elif defined(__linux__)
 
 const char *kos_uncached_kind(void) { return "O_DIRECT"; }
@@ -47,6 +50,8 @@ void kos_drop_cached(int fd, uint64_t off, uint64_t len) {
     /* advice only: a refusal changes nothing the engine computes */
     (void)posix_fadvise(fd, (off_t)off, (off_t)len, POSIX_FADV_DONTNEED);
 }
+
+void kos_prefer_uncached(int fd) { (void)fd; }
 
 #else
 
@@ -63,6 +68,8 @@ void kos_drop_cached(int fd, uint64_t off, uint64_t len) {
     (void)off;
     (void)len;
 }
+
+void kos_prefer_uncached(int fd) { (void)fd; }
 
 #endif
 

@@ -22,4 +22,9 @@ int kos_open_uncached(const char *path);
  * (posix_fadvise DONTNEED on Linux; nothing elsewhere, where no such call exists). */
 void kos_drop_cached(int fd, uint64_t off, uint64_t len);
 
+/* Buffered reads of fd (any alignment) should leave nothing in the page cache: F_NOCACHE
+ * on macOS, which has no per-range drop; nothing on Linux, where kos_drop_cached drops each
+ * range after it is read.  Advice only: a refusal changes nothing the engine computes. */
+void kos_prefer_uncached(int fd);
+
 #endif

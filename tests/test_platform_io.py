@@ -55,6 +55,48 @@ def test_non_linux_branches_are_valid_c(target: list[str]) -> None:
         assert done.returncode == 0, f"{src.name}:\n{done.stderr}"
 
 
+_FCNTL_RECORDER = r"""
+#if defined(__linux__)
+#define _GNU_SOURCE
+#endif
+#include <fcntl.h> /* declared before fcntl is renamed below */
+#include <stdio.h>
+static int seen_fd = -1, seen_cmd = -1, seen_arg = -1, seen_calls = 0;
+static int recording_fcntl(int fd, int cmd, int arg) {
+    seen_fd = fd, seen_cmd = cmd, seen_arg = arg, seen_calls++;
+    return 0;
+}
+#define fcntl recording_fcntl
+#include "k3_platform.c"
+int main(void) {
+    kos_prefer_uncached(7);
+    printf("%d %d %d %d\n", seen_calls, seen_fd, seen_cmd, seen_arg);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("target", [["-U__linux__", "-U__gnu_linux__", "-Ulinux", "-U__linux", "-D__APPLE__",
+                                     "-include", str(SHIM)], []], ids=["macos", "linux"])
+def test_streamed_reads_ask_macos_not_to_cache(tmp_path: Path, target: list[str]) -> None:
+    # macOS has no per-range drop, so the buffered descriptors a streamed trunk reads through
+    # get F_NOCACHE (k3_load.c calls kos_prefer_uncached when direct I/O is on); on Linux the
+    # call does nothing, fadvise drops each range instead. fcntl is replaced by a recorder.
+    cc = _compiler()
+    src = tmp_path / "prefer.c"
+    src.write_text(_FCNTL_RECORDER)
+    exe = tmp_path / "prefer"
+    built = subprocess.run([cc, "-std=c99", "-Wall", "-Werror", "-Wno-unused-function", *target, f"-I{NATIVE}", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    calls, fd, cmd, arg = (int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                          check=True).stdout.split())
+    if "-D__APPLE__" in target:
+        assert (calls, fd, cmd, arg) == (1, 7, 48, 1)       # F_NOCACHE is 48 in <sys/fcntl.h>
+    else:
+        assert calls == 0
+
+
 def test_engine_names_its_io_and_simd() -> None:
     io = ffi.string(lib.k3_direct_io_kind()).decode()
     simd = ffi.string(lib.k3_simd_kind()).decode()
