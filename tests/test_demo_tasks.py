@@ -52,7 +52,44 @@ def test_every_answer_is_right_by_an_independent_computation(task: str) -> None:
         want = _independent_answer(task, t.question)
         assert t.accept == (want,), (t.question, t.accept)
         assert tasks.is_correct(t, t.response), (t.question, t.response)
+        assert tasks.is_correct(t, t.response_for("off")), (t.question, t.response_for("off"))
         assert want in t.reasoning["high"].replace(", ", "").replace(" ", "") or task in ("count", "repeat", "compare")
+
+
+def test_thinking_off_answers_show_their_steps_before_the_result() -> None:
+    rng = random.Random(9)
+    for task in ("add_2d", "add_3d", "sub_2d", "sub_3d"):
+        for _ in range(100):
+            _, make = tasks.SINGLE_TASKS[task][1](rng)
+            t = make()
+            off = t.response_for("off")
+            steps, _, result = off.partition("\n\n")
+            a, b = (int(x) for x in re.findall(r"\d+", t.question))
+            if t.question.startswith("Subtract"):
+                a, b = b, a
+            top, bottom = (a, b) if task.startswith("add") or a >= b else (b, a)
+            op = "+" if task.startswith("add") else "-"
+            assert steps.startswith("- ") and "**" not in steps, off
+            lines = [ln for ln in steps.splitlines() if "negate" not in ln]   # a < b: one line first
+            x, y = top % 10, bottom % 10
+            assert lines[0].startswith((f"- {x} {op} {y} =", f"- {x + 10} - {y} =")), off
+            assert len(lines) >= len(str(top)), off                          # one line per column
+            assert result == f"{a} {op} {b} = **{_independent_answer(task, t.question)}**.", off
+
+
+def test_repeat_reasoning_copies_the_sentence_and_reverse_numbers_its_letters() -> None:
+    rng = random.Random(10)
+    for _ in range(50):
+        t = tasks.repeat_sentence(rng)[1]()
+        sentence = _independent_answer("repeat", t.question)
+        for effort in tasks.EFFORTS:
+            assert sentence in t.reasoning[effort], (effort, t.reasoning[effort])
+        assert t.response_for("off") == sentence
+        r = tasks.reverse_word(rng)[1]()
+        word = _independent_answer("reverse", r.question)[::-1]
+        n = len(word)
+        assert f"{n} {word[-1]}, {n - 1} {word[-2]}" in r.reasoning["high"], r.reasoning["high"]
+        assert r.response_for("off").endswith(r.response)
 
 
 def test_follow_ups_use_the_previous_answer() -> None:
@@ -141,5 +178,5 @@ def test_training_rows_mask_exactly_the_assistant_turns(demo_tok: Tokenizer) -> 
             assert ids[:a] == corpus.prompt_ids(conv, i, demo_tok)   # what the app would feed
             thinking, _ = tasks.thinking_of(conv.mode)
             parsed = grammar.parse_strict(ids[a:b], thinking)        # a well-formed turn, end id last
-            assert parsed.content == turn.response
+            assert parsed.content == turn.response_for(conv.mode)
             assert parsed.reasoning == (turn.reasoning[conv.mode] if thinking else None)

@@ -49,6 +49,12 @@ class Turn:
     accept: tuple[str, ...]         # acceptable extracted answers
     extract: str = "bold"           # "bold": the first **...** of the response; "whole": all of it
     value: int | None = None        # the numeric result, for follow-up questions
+    # With thinking off the answer itself shows the steps (a short list, then the result):
+    # a model this small cannot carry digits in its head from one id to the next.
+    off_response: str | None = None
+
+    def response_for(self, mode: str) -> str:
+        return self.off_response if mode == "off" and self.off_response is not None else self.response
 
 
 def extract_answer(turn: Turn, response: str) -> str:
@@ -179,8 +185,9 @@ def _sub_lines(a: int, b: int) -> tuple[list[str], list[str], int]:
     return high, low, a - b
 
 
-def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int]:
-    """Reasoning for a op b (a, b >= 0) at each effort, and the result."""
+def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int, str]:
+    """Reasoning for a op b (a, b >= 0) at each effort, the result, and the answer with
+    thinking off (the low steps as a list, then the bold result)."""
     if op == "+":
         high, low, r = _add_lines(a, b)
         intro_high = f"Add {a} and {b} column by column, from the ones."
@@ -210,7 +217,12 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         "high": lead_sp + "\n".join(p for p in [neg_high, intro_high] + high + [tail] if p),
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
-    return reasoning, r
+    return reasoning, r, _steps_answer([p for p in [neg_low] + low if p], f"{a} {op} {b} = **{r}**.")
+
+
+def _steps_answer(steps: list[str], result: str) -> str:
+    """A thinking-off answer: its steps as a short Markdown list, then the result."""
+    return "\n".join(f"- {p}" for p in steps) + "\n\n" + result
 
 
 def _arith_response(a: int, op: str, b: int, r: int, rng: random.Random) -> str:
@@ -250,8 +262,9 @@ def arithmetic(rng: random.Random, op: str, digits: int) -> tuple[str, Callable[
 
     def make() -> Turn:
         q = rng.choice(_ADD_Q if op == "+" else _SUB_Q).format(a=a, b=b)
-        reasoning, r = _arith_reasoning(a, op, b)
-        return Turn(name, key, q, reasoning, _arith_response(a, op, b, r, rng), (str(r),), value=r)
+        reasoning, r, off = _arith_reasoning(a, op, b)
+        return Turn(name, key, q, reasoning, _arith_response(a, op, b, r, rng), (str(r),), value=r,
+                    off_response=off)
 
     return key, make
 
@@ -319,7 +332,8 @@ def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         else:
             resp = rng.choice((f"**{ans}** is {kind}.", f"The {kind} number is **{ans}**.",
                                f"**{ans}** is {kind} than {small if kind == 'larger' else big}."))
-        return Turn("compare", key, q, reasoning, resp, (str(ans),), value=ans)
+        return Turn("compare", key, q, reasoning, resp, (str(ans),), value=ans,
+                    off_response=f"{reasoning['low']}\n\n{resp}")
 
     return key, make
 
@@ -360,7 +374,8 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         resp = rng.choice((f"There {'is' if n == 1 else 'are'} **{n}** {label} in {w}.",
                            f"The word {w} has **{n}** {label}.",
                            f"**{n}**: the letter {c} appears {times} in {w}."))
-        return Turn("count", key, q, reasoning, resp, (str(n),), value=n)
+        return Turn("count", key, q, reasoning, resp, (str(n),), value=n,
+                    off_response=f"{' '.join(low_parts)}.\n\n{resp}")
 
     return key, make
 
@@ -376,17 +391,21 @@ def reverse_word(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 
     def make() -> Turn:
         rev = w[::-1]
-        fwd, bwd = ", ".join(w), ", ".join(rev)
+        # Numbered letters: reading back is then a look-up of "n-1", not a count of positions.
+        numbered = [f"{i} {c}" for i, c in enumerate(w, 1)]
+        fwd, bwd = ", ".join(numbered), ", ".join(reversed(numbered))
         body = f"Spell {w}: {fwd}.\nRead the letters from last to first: {bwd}.\nJoined together: {rev}."
+        low = f"{' '.join(numbered)}. Backwards: {' '.join(reversed(numbered))}."
         reasoning = {
-            "low": f"{' '.join(w)}. Backwards: {' '.join(rev)}. {rev}.",
+            "low": f"{low} {rev}.",
             "high": body,
             "max": (f"The task is to write the word {w} backwards. I will spell it, then read the "
                     f"letters from the end to the start and join them.\n{body}\nSo {w} reversed is {rev}."),
         }
         resp = rng.choice((f"The word {w} reversed is **{rev}**.", f"**{rev}**",
                            f"{w} backwards is **{rev}**."))
-        return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,))
+        return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,),
+                    off_response=f"{low}\n\n{resp}")
 
     return key, make
 
@@ -400,11 +419,13 @@ def repeat_sentence(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     key = f"repeat:{s}"
 
     def make() -> Turn:
+        # The reasoning copies the sentence once: the answer then copies from nearby.
         reasoning = {
-            "low": "Repeat it exactly.",
-            "high": "The user wants the sentence back exactly, word for word.",
+            "low": f"Copy it exactly: {s}",
+            "high": f"The user wants the sentence back exactly, word for word:\n{s}",
             "max": ("The user asks me to repeat a sentence. I should copy it exactly as given, keeping "
-                    "every word, the capital letters and the punctuation, and add nothing else."),
+                    f"every word, the capital letters and the punctuation, and add nothing else:\n{s}\n"
+                    "That is the whole answer."),
         }
         return Turn("repeat", key, rng.choice(_REPEAT_Q).format(s=s), reasoning, s, (s,), extract="whole")
 
@@ -510,9 +531,9 @@ def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, C
     def make() -> Turn:
         q = rng.choice(_FOLLOW_Q[op]).format(n=n)
         lead = f"The previous answer was {previous}. Now {previous} {op} {n}."
-        reasoning, r = _arith_reasoning(previous, op, n, lead=lead)
+        reasoning, r, off = _arith_reasoning(previous, op, n, lead=lead)
         resp = f"{previous} {op} {n} = **{r}**." if rng.random() < 0.7 else f"That gives **{r}**."
-        return Turn("multi_turn", key, q, reasoning, resp, (str(r),), value=r)
+        return Turn("multi_turn", key, q, reasoning, resp, (str(r),), value=r, off_response=off)
 
     return key, make
 
@@ -521,18 +542,18 @@ def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, C
 
 Maker = Callable[[random.Random], tuple[str, Callable[[], Turn]]]
 SINGLE_TASKS: dict[str, tuple[float, Maker]] = {
-    "add_1d": (0.05, lambda r: arithmetic(r, "+", 1)),
-    "add_2d": (0.14, lambda r: arithmetic(r, "+", 2)),
-    "add_3d": (0.12, lambda r: arithmetic(r, "+", 3)),
-    "sub_1d": (0.05, lambda r: arithmetic(r, "-", 1)),
+    "add_1d": (0.03, lambda r: arithmetic(r, "+", 1)),
+    "add_2d": (0.12, lambda r: arithmetic(r, "+", 2)),
+    "add_3d": (0.09, lambda r: arithmetic(r, "+", 3)),
+    "sub_1d": (0.03, lambda r: arithmetic(r, "-", 1)),
     "sub_2d": (0.14, lambda r: arithmetic(r, "-", 2)),
-    "sub_3d": (0.12, lambda r: arithmetic(r, "-", 3)),
-    "compare": (0.09, compare),
-    "count": (0.09, count_letter),
-    "reverse": (0.09, reverse_word),
-    "repeat": (0.06, repeat_sentence),
-    "about": (0.025, about),
-    "other": (0.025, other),
+    "sub_3d": (0.10, lambda r: arithmetic(r, "-", 3)),
+    "compare": (0.10, compare),
+    "count": (0.10, count_letter),
+    "reverse": (0.10, reverse_word),
+    "repeat": (0.09, repeat_sentence),
+    "about": (0.05, about),
+    "other": (0.05, other),
 }
 EVAL_TASKS: tuple[str, ...] = tuple(SINGLE_TASKS) + ("multi_turn",)
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are helpful.",
@@ -607,7 +628,7 @@ def messages_for(conv: Conversation, upto: int | None = None, *, answered: bool 
     for i, t in enumerate(turns):
         out.append({"role": "user", "content": t.question})
         if answered or i < len(turns) - 1:
-            rec = {"role": "assistant", "content": t.response}
+            rec = {"role": "assistant", "content": t.response_for(conv.mode)}
             if conv.mode != "off":
                 rec["reasoning_content"] = t.reasoning[conv.mode]
             out.append(rec)
