@@ -63,18 +63,21 @@ def test_thinking_off_answers_show_their_steps_before_the_result() -> None:
             _, make = tasks.SINGLE_TASKS[task][1](rng)
             t = make()
             off = t.response_for("off")
-            steps, _, result = off.partition("\n\n")
+            head, steps, result = off.split("\n\n")
             a, b = (int(x) for x in re.findall(r"\d+", t.question))
             if t.question.startswith("Subtract"):
                 a, b = b, a
             top, bottom = (a, b) if task.startswith("add") or a >= b else (b, a)
             op = "+" if task.startswith("add") else "-"
+            assert head == f"{a} {op} {b} by columns:", off
             assert steps.startswith("- ") and "**" not in steps, off
             lines = [ln for ln in steps.splitlines() if "negate" not in ln]   # a < b: one line first
             x, y = top % 10, bottom % 10
             assert lines[0].startswith((f"- {x} {op} {y} =", f"- {x + 10} - {y} =")), off
             assert len(lines) >= len(str(top)), off                          # one line per column
             assert result == f"{a} {op} {b} = **{_independent_answer(task, t.question)}**.", off
+    _, make = tasks.follow_up(rng, 24, "k")     # a follow-up starts from the previous answer
+    assert make().response_for("off").startswith("24 ")
 
 
 def test_repeat_reasoning_copies_the_sentence_and_reverse_numbers_its_letters() -> None:

@@ -141,3 +141,17 @@ def test_exported_checkpoint_is_what_the_torch_model_computed(tmp_path: Path) ->
     with torch.no_grad():
         again = reloaded(torch.tensor([ids]))[0].double().numpy()
     assert np.array_equal(again, ours)                 # the stored values are exactly the trained ones
+
+
+def test_logits_of_selected_rows_are_those_rows_of_the_full_logits(tiny_dir: Path) -> None:
+    """The trainer asks for the scored positions only; they must be the same logits."""
+    m = _loaded(tiny_dir, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, _vocab(tiny_dir), (3, 21), generator=g)
+    rows = torch.rand(3, 21, generator=g) < 0.5
+    with torch.no_grad():
+        full = m(ids)
+        some = m(ids, rows=rows)
+    assert some.shape == (int(rows.sum()), full.shape[-1])
+    assert torch.allclose(some, full[rows], rtol=0, atol=1e-12)
+    assert not torch.allclose(some, full[rows.roll(1, dims=1)], rtol=0, atol=1e-3)   # other rows differ

@@ -217,12 +217,13 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         "high": lead_sp + "\n".join(p for p in [neg_high, intro_high] + high + [tail] if p),
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
-    return reasoning, r, _steps_answer([p for p in [neg_low] + low if p], f"{a} {op} {b} = **{r}**.")
+    expr = f"{a} {op} {b}"
+    return reasoning, r, _steps_answer(f"{expr} by columns:", [p for p in [neg_low] + low if p], f"{expr} = **{r}**.")
 
 
-def _steps_answer(steps: list[str], result: str) -> str:
-    """A thinking-off answer: its steps as a short Markdown list, then the result."""
-    return "\n".join(f"- {p}" for p in steps) + "\n\n" + result
+def _steps_answer(head: str, steps: list[str], result: str) -> str:
+    """A thinking-off answer: what it works out, its steps as a short Markdown list, the result."""
+    return head + "\n\n" + "\n".join(f"- {p}" for p in steps) + "\n\n" + result
 
 
 def _arith_response(a: int, op: str, b: int, r: int, rng: random.Random) -> str:

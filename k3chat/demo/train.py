@@ -207,9 +207,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             g["lr"] = cur_lr
         ids, target = collate(torch, seqs, batches[step], pad)
         loads: list[Any] = []
-        logits = model(ids, loads)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1),
-                                                 ignore_index=-100)
+        scored = target != -100
+        logits = model(ids, loads, rows=scored)
+        loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
