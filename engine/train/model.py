@@ -125,7 +125,7 @@ class K3Torch(nn.Module):
         self.p = p
         self.vocab_size = vocab_size
         self.quantize = True
-        self.chunk = 8
+        self.chunk = 16         # fewest sequential steps whose decay factors fit float32 (kda.chunked)
         self.names: list[str] = []          # checkpoint names, in file order
         self.storage: dict[str, str] = {}   # name -> "bf16" | "f32" | "mxfp4"
         self._params = nn.ParameterDict()
