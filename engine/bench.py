@@ -1078,6 +1078,9 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
 
     Exit 0 on success, 1 on a runtime failure, 2 on a usage error, 5 when interrupted.
     """
+    if "--speculative" in argv:  # its own measurement (engine/spec_bench.py)
+        from .spec_bench import main_spec_bench
+        return main_spec_bench([a for a in argv if a != "--speculative"])
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:

@@ -48,12 +48,13 @@ def check_lookahead(lookahead: int | None, n_experts: int, top_k: int) -> None:
 def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
                   context: int = DEFAULT_CONTEXT, lookahead: int | None = None,
                   threads: int = 1, scalar: bool = False,
-                  check_machine: bool = True) -> OpenedModel:
+                  check_machine: bool = True, speculative: int = 0) -> OpenedModel:
     """Plan `memory` for `context` tokens and open the model with that plan.
 
     lookahead None is k3chat's default: the model's top-k when the trunk is resident, off
     when it streams (see planner.make_plan_default_lookahead for the measurements); 0 turns
-    it off. Raises PlanError (with the numbers) when the budget cannot hold the model,
+    it off. `speculative` (drafted tokens per verify pass) puts its verify record in the
+    plan. Raises PlanError (with the numbers) when the budget cannot hold the model,
     MemorySizeError for a bad string.
     """
     cfg = load_config(model_dir)
@@ -69,9 +70,9 @@ def open_budgeted(model_dir: str | Path, *, memory: str = ALL_RESIDENT,
     process = sz.process_reserve()
     if lookahead is None:
         plan = make_plan_default_lookahead(cfg, ts, budget, context, check_machine=machine,
-                                           process_bytes=process)
+                                           process_bytes=process, speculative=speculative)
     else:
         plan = make_plan(cfg, ts, budget, context, check_machine=machine, lookahead=int(lookahead),
-                         process_bytes=process)
+                         process_bytes=process, speculative=speculative)
     opts = plan.stream_options()
     return OpenedModel(Model(model_dir, threads=threads, scalar=scalar, streaming=opts), plan, opts)

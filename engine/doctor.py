@@ -1,20 +1,21 @@
 """`k3chat doctor`: what this machine offers the engine, measured in a couple of seconds.
 
-Reports the CPU (model, cores, the AVX2/FMA/AVX-512F the kernels dispatch on), RAM and the
-cgroup limit, free disk, and the random-read bandwidth of the disk holding `--dir` with
+Reports the CPU (model, cores, the AVX2/FMA/AVX-512F or NEON the kernels dispatch on, and
+the kernels the engine runs), RAM and the cgroup limit (Linux; sysctl and vm_stat on macOS), free disk, and the random-read bandwidth of the disk holding `--dir` with
 expert-sized reads at queue depth 1 and 8: the access pattern of a cold MoE layer (top-k
 experts requested at once, each one large read). Ends with the budget `--memory auto` would
 pick and, if `--dir` holds a model, the plan at that budget. Needs no model and no network.
 
 The probe writes a temporary file (default 256 MiB) in `--dir`, reads random 4 KiB-aligned
-chunks with O_DIRECT (or, where the filesystem refuses O_DIRECT, buffered reads followed by
-posix_fadvise(DONTNEED) so the page cache does not flatter the result; the report says
-which), and always removes the file, including on Ctrl-C and SIGTERM.
+chunks with O_DIRECT (F_NOCACHE on macOS; where the filesystem refuses O_DIRECT, buffered
+reads followed by posix_fadvise(DONTNEED) so the page cache does not flatter the result; the
+report says which), and always removes the file, including on Ctrl-C and SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import mmap
 import os
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from . import darwin_info
 from . import sizes as sz
 from .private_files import write_private
 
@@ -68,6 +70,7 @@ class CpuInfo:
     avx2: bool
     fma: bool
     avx512f: bool
+    neon: bool  # AArch64 Advanced SIMD ("asimd" in /proc/cpuinfo, hw.optional.neon on macOS)
 
 
 def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
@@ -96,7 +99,32 @@ def _cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
-def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
+def _usable_cores(logical: int) -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity masks
+        return logical
+
+
+def _darwin_cpu_info(sysctl: darwin_info.SysctlReader) -> CpuInfo:
+    def flag(name: str) -> bool:
+        return bool(darwin_info.sysctl_int(sysctl, name))
+
+    logical = darwin_info.sysctl_int(sysctl, "hw.logicalcpu") or darwin_info.sysctl_int(sysctl, "hw.ncpu") \
+        or os.cpu_count() or 1
+    return CpuInfo(model=darwin_info.sysctl_str(sysctl, "machdep.cpu.brand_string") or "unknown",
+                   logical_cores=logical, usable_cores=_usable_cores(logical),
+                   physical_cores=darwin_info.sysctl_int(sysctl, "hw.physicalcpu"), cpu_quota=None,
+                   avx2=flag("hw.optional.avx2_0"), fma=flag("hw.optional.fma"),
+                   avx512f=flag("hw.optional.avx512f"),
+                   neon=flag("hw.optional.neon") or flag("hw.optional.AdvSIMD"))
+
+
+def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo", *, system: str = sys.platform,
+             sysctl: darwin_info.SysctlReader = darwin_info.read_sysctl) -> CpuInfo:
+    """The CPU from /proc/cpuinfo and cgroups on Linux, from sysctl on macOS."""
+    if system == "darwin":
+        return _darwin_cpu_info(sysctl)
     try:
         blocks = _cpuinfo_blocks(Path(cpuinfo).read_text())
     except OSError:
@@ -107,13 +135,10 @@ def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
     flags = set((first.get("flags") or first.get("Features") or "").split())
     cores = {(b.get("physical id", "0"), b["core id"]) for b in blocks if "core id" in b}
     logical = os.cpu_count() or 1
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = logical
-    return CpuInfo(model=model, logical_cores=logical, usable_cores=usable,
+    return CpuInfo(model=model, logical_cores=logical, usable_cores=_usable_cores(logical),
                    physical_cores=len(cores) or None, cpu_quota=_cpu_quota(),
-                   avx2="avx2" in flags, fma="fma" in flags, avx512f="avx512f" in flags)
+                   avx2="avx2" in flags, fma="fma" in flags, avx512f="avx512f" in flags,
+                   neon="asimd" in flags)
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,7 +182,7 @@ class ProbeResult:
     file_bytes: int
     read_bytes: int  # bytes per read (one expert, 4 KiB-aligned)
     direct_io: bool
-    mode: str  # "O_DIRECT" or "buffered + posix_fadvise(DONTNEED)"
+    mode: str  # "O_DIRECT", "F_NOCACHE", "buffered + posix_fadvise(DONTNEED)" or "buffered"
     note: str  # why O_DIRECT was not used, if it was not
     write_seconds: float
     phases: tuple[PhaseResult, ...]
@@ -184,16 +209,40 @@ def _write_probe_file(fd: int, size: int) -> None:
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
 
 
+def _uncached_mode() -> str:
+    """How this OS reads past the page cache: O_DIRECT (Linux), F_NOCACHE (macOS) or none."""
+    if getattr(os, "O_DIRECT", 0):
+        return "O_DIRECT"
+    return "F_NOCACHE" if hasattr(fcntl, "F_NOCACHE") else "none"
+
+
+def _buffered_mode() -> str:
+    return "buffered + posix_fadvise(DONTNEED)" if hasattr(os, "posix_fadvise") else "buffered"
+
+
+def _set_nocache(fd: int) -> None:
+    """F_NOCACHE on (macOS): this descriptor's reads and writes skip the unified buffer cache."""
+    fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)  # type: ignore[attr-defined]  # macOS only
+
+
 def _open_for_probe(path: str) -> tuple[int, bool, str]:
-    """(fd, direct?, note). O_DIRECT where the filesystem takes it, else buffered."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if flag:
+    """(fd, direct?, note). O_DIRECT or F_NOCACHE where the system takes it, else buffered."""
+    mode = _uncached_mode()
+    if mode == "O_DIRECT":
         try:
-            return os.open(path, os.O_RDONLY | flag), True, ""
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True, ""
         except OSError as exc:
             note = f"O_DIRECT refused at open ({exc.strerror})"
+    elif mode == "F_NOCACHE":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _set_nocache(fd)
+            return fd, True, ""
+        except OSError as exc:
+            os.close(fd)
+            note = f"F_NOCACHE refused ({exc.strerror})"
     else:
-        note = "O_DIRECT is not available on this platform"
+        note = "neither O_DIRECT nor F_NOCACHE is available on this platform"
     return os.open(path, os.O_RDONLY), False, note
 
 
@@ -291,6 +340,8 @@ def probe_disk(directory: Path, size_bytes: int, chunk: int = K3_EXPERT_BYTES,
         with _sigterm_as_interrupt():
             t0 = time.perf_counter()
             try:
+                if _uncached_mode() == "F_NOCACHE":  # no fadvise there: keep the file out of the cache
+                    _set_nocache(handle)
                 _write_probe_file(handle, size_bytes)
             finally:
                 os.close(handle)
@@ -316,7 +367,7 @@ def probe_disk(directory: Path, size_bytes: int, chunk: int = K3_EXPERT_BYTES,
             os.unlink(path)
         except FileNotFoundError:
             pass
-    mode = "O_DIRECT" if direct else "buffered + posix_fadvise(DONTNEED)"
+    mode = _uncached_mode() if direct else _buffered_mode()
     return ProbeResult(size_bytes, chunk, direct, mode, note, write_seconds, tuple(phases))
 
 
@@ -373,10 +424,12 @@ def _gbps(phase: PhaseResult) -> dict[str, Any]:
 
 def _print_report(report: dict[str, Any]) -> None:
     cpu, mem, disk = report["cpu"], report["memory"], report["disk"]
-    feats = ", ".join(f"{k} {'yes' if cpu[k] else 'no'}" for k in ("avx2", "fma", "avx512f"))
+    feats = ", ".join(f"{k} {'yes' if cpu[k] else 'no'}" for k in ("avx2", "fma", "avx512f", "neon"))
     quota = f", cgroup quota {cpu['cpu_quota']:.2f} cores" if cpu["cpu_quota"] else ""
     print(f"cpu:    {cpu['model']}; {cpu['usable_cores']} usable of {cpu['logical_cores']} "
           f"logical cores ({cpu['physical_cores'] or '?'} physical){quota}; {feats}")
+    engine = report["engine"]
+    print(f"engine: {engine['simd']} kernels, uncached reads by {engine['direct_io']}")
     cg = mem["cgroup_limit_bytes"]
     print(f"memory: {sz.format_bytes(mem['total_bytes'])} total, "
           f"{sz.format_bytes(mem['available_bytes'])} available, swap "
@@ -403,6 +456,14 @@ def _print_report(report: dict[str, Any]) -> None:
             print(model["table"])
         else:
             print(model.get("refused") or model.get("error"))
+
+
+def _engine_report() -> dict[str, str]:
+    """The SIMD kernels the engine runs here and how its direct_io reads skip the cache."""
+    from ._k3 import ffi, lib
+
+    return {"simd": ffi.string(lib.k3_simd_kind()).decode(),
+            "direct_io": ffi.string(lib.k3_direct_io_kind()).decode()}
 
 
 def _budget_text(nbytes: int) -> str:
@@ -450,6 +511,7 @@ def main_doctor(argv: Sequence[str]) -> int:
     cpu = cpu_info()
     report: dict[str, Any] = {
         "cpu": asdict(cpu),
+        "engine": _engine_report(),
         "memory": {"total_bytes": machine.total, "available_bytes": machine.available,
                    "swap_bytes": machine.swap_total,
                    "cgroup_limit_bytes": machine.cgroup.limit if machine.cgroup else None,

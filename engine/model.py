@@ -124,6 +124,8 @@ class StreamOptions:
     pinned: tuple[int, ...] = ()     # layers kept resident while streaming
     embed_stream: bool = False       # read embedding rows per token instead of holding them
     prefill_chunk: int = 64          # prompt tokens per pass: each distinct expert read once per pass
+    head_block_rows: int = 0         # 0: lm_head held; N: read per pass in blocks of N rows
+    ffn_split: bool = False          # a streamed dense FFN comes through the ring one matrix per unit
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,11 @@ class Model:
         if so.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {so.prefill_chunk}")
         o.prefill_chunk = int(so.prefill_chunk)
+        if so.head_block_rows < 0:
+            raise ValueError(f"head_block_rows must be 0 (lm_head held) or >= 1 row, got "
+                             f"{so.head_block_rows}")
+        o.head_block_rows = int(so.head_block_rows)
+        o.ffn_split = 1 if so.ffn_split else 0
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")
@@ -208,7 +215,9 @@ class Model:
     def inject_fault(self, layer: int, expert: int, kind: int = 1) -> None:
         """Test hook: the next read of (layer, expert) fails with EIO.
 
-        expert -1 targets the layer's streamed trunk, -2 any expert of the layer."""
+        expert -1 targets the layer's streamed trunk, -2 any expert of the layer, -3 the
+        next streamed lm_head block (layer ignored), -4 the layer's split FFN down matrix
+        (read after its gate and up units)."""
         self._call("k3_model_inject_fault", int(layer), int(expert), int(kind))
 
     # ---- settings ----
@@ -256,6 +265,12 @@ class Model:
         self._call("k3_model_forward", ffi.from_buffer("int32_t[]", arr), len(arr),
                    ffi.from_buffer("float[]", out), 1 if shared_kda_slot else 0)
         return out
+
+    def verify_bytes(self, positions: int) -> int:
+        """Bytes a session's speculative verify record takes for that many positions."""
+        _, lib = _lib()
+        with self._life:
+            return int(lib.k3_verify_bytes(self._handle(), int(positions)))
 
     def session(self, max_positions: int) -> "Session":
         return Session(self, max_positions)
@@ -357,6 +372,28 @@ class Session:
                 cancel._cell if cancel is not None else ffi.NULL)
             self._check(rc)
         return allbuf if allbuf is not None else last
+
+    def verify(self, ids: Sequence[int], *, cancel: CancelFlag | None = None) -> np.ndarray:
+        """Speculative decoding: the logits [n, V] of ids at positions length.. from one
+        pass, bit-identical to feeding them one by one, without advancing the session. Follow
+        with `accept(keep)`; any other feed, reset, import or restore drops the pending verify.
+        A failed or cancelled verify leaves the session as it was."""
+        ffi, lib = _lib()
+        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int32))
+        if arr.ndim != 1 or len(arr) == 0:
+            raise ValueError("verify needs a non-empty 1-D list of token ids")
+        out = np.empty((len(arr), self.model.vocab), dtype=np.float32)
+        with self._lock, self.model._lock:
+            self._check(lib.k3_session_verify(self._hs(), ffi.from_buffer("int32_t[]", arr), len(arr),
+                                              ffi.from_buffer("float[]", out),
+                                              cancel._cell if cancel is not None else ffi.NULL))
+        return out
+
+    def accept(self, keep: int) -> None:
+        """Advance the session by the first `keep` positions of the pending verify."""
+        _, lib = _lib()
+        with self._lock, self.model._lock:  # the replay runs on the model's thread pool
+            self._check(lib.k3_session_accept(self._hs(), int(keep)))
 
     # ---- state ----
     def export_state(self) -> bytearray:

@@ -10,7 +10,9 @@ k3_store.c) and `Plan.stream_options()` gives the engine exactly those options.
 Order of the split (trunk before experts: a peer measured trunk-first 1.69x faster at the
 same budget):
 
-1. **Floor** (always resident): lm_head; the embedding table only when the whole trunk is
+1. **Floor** (always resident): lm_head (or, only when no plan fits with it held, one
+   buffer of HEAD_BLOCK_BYTES into which its row blocks are read every token:
+   `head_block_rows`, the whole lm_head read per token); the embedding table only when the whole trunk is
    resident (otherwise, or when only that lets a resident trunk fit, embedding rows are read
    from the shard per token: `embed_stream`, one row of hidden x 2 B); every small vector of
    every layer widened to fp32 (norms, AttnRes, conv, A_log, dt_bias, router biases: the
@@ -30,7 +32,10 @@ same budget):
    ring of 2 slots, each as large as the largest streamed unit (bounded by its bytes + 64 B
    per tensor for the engine's 64-byte aligned reads, in whole pages). With router lookahead
    (`lookahead` > 0) every streamed MoE layer's router stays resident and leaves its FFN
-   unit. As many of the largest layers are pinned as the budget allows.
+   unit. As many of the largest layers are pinned as the budget allows. Only when the ring
+   does not fit otherwise, a streamed dense FFN is split one matrix per unit (`ffn_split`:
+   gate, up, down, read in the order the GLU uses them), so it needs a slot of its largest
+   matrix, not of all three.
 3. **Prefill chunk**: the largest pass (at most the context) that fits beside the trunk and
    the minimum expert cache: a bigger chunk reads each distinct expert, and every streamed
    trunk unit, once for more tokens (on K3 a 64-token pass touches ~613 of a layer's 896
@@ -67,8 +72,14 @@ about 1 MiB per token more. The smallest plan streams every layer, through ring 
 layer 0's dense FFN unit (3 x 33,792 x 7,168 x 2 B = 1.35 GiB each): 7.01 GiB at 8K (floor
 4.02 + ring 2 x 1.35 + 17 expert slots 0.28); 6.11 at 1 token, 9.55 at 32K, 19.74 at 128K.
 Pinning layer 0 (2.18) shrinks the slots to a KDA attention unit (0.83) and first fits at
-8.13 GiB (8K), so 8G streams every layer. 8G holds at most 17,810 tokens and 16G 94,968.
-Lookahead adds 92 routers (1.10 GiB) to the smallest plan (8.11 at 8K). A resident trunk
+8.13 GiB (8K), so 8G streams every layer. Below 7.01 GiB layer 0's FFN streams split
+(ffn_split): its three 0.45 GiB matrices are units of their own, so the ring's slots are
+sized for a KDA attention unit (0.83), the same bytes read per token: 5.95 GiB at 8K with
+lm_head held. Below that lm_head streams: its 2.19 GiB become a 32 MiB block buffer (2,340
+rows) and every token reads all of it (2.19 GiB, 71 reads): 4.85 GiB at 8K with the FFN
+one unit (floor 1.87 + ring 2.71 + expert slots 0.28), and, split, 3.80 (floor 1.87 + ring
+1.65 + expert slots 0.28), 2.90 at one token, 2.94 at 8K without the turn snapshot (0.85). With lm_head streamed 8G holds at most 48,792 tokens and 16G 125,926.
+Lookahead adds 92 routers (1.10 GiB) to the smallest plan (4.90 at 8K). A resident trunk
 needs 105.73 GiB (rows streamed) and the
 embedding table joins it from 107.92 GiB (the peak while lm_head is read and copied at open
 binds).
@@ -105,6 +116,7 @@ __all__ = [
     "tensor_sizes_from_dir", "sizes_from_table", "sizes_from_names", "work_buffer_parts",
     "work_buffer_bytes", "expected_distinct_experts", "prompt_report", "base_chunk",
     "slot_bytes", "unit_slot_bytes", "main_plan", "DEFAULT_CONTEXT", "PREFILL_CHUNK",
+    "verify_record_bytes",
     "RING_SLOTS", "RING_READ_ALIGN", "IO_ALIGN",
 ]
 
@@ -123,6 +135,9 @@ IO_READERS = 8  # reader threads (queue depth 8, what `k3chat doctor` measures)
 # expert store reads whole runs straight into its slots, so this stays small.
 STAGING_PER_READER = 1 * sz.MiB
 DEFAULT_SNAPSHOTS = 1  # the turn-boundary snapshot that makes "regenerate" cheap (design 2.5)
+# lm_head streamed (only when no plan fits with it held): blocks of rows up to this many
+# bytes, one read each, large enough that a read runs at sequential disk speed.
+HEAD_BLOCK_BYTES = 32 * sz.MiB
 
 GZ_INDEX_NAME = INDEX_NAME + ".gz"
 
@@ -171,6 +186,9 @@ class TensorSizes:
     expert_bytes: int  # one routed expert's six tensors
     n_experts_total: int  # routed experts over all MoE layers
     source: str  # "shard headers", "index + catalogue" or a mix
+    # a dense layer's largest FFN matrix, as stored: its unit when the FFN streams split
+    # (ffn_split); 0 for a MoE layer, whose FFN is always one unit
+    layer_ffn_largest: tuple[int, ...] = ()
 
     @property
     def trunk_total(self) -> int:
@@ -247,7 +265,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
         return n * FLOAT
 
     cols: dict[str, list[int]] = {k: [] for k in ("trunk", "attn", "attn_n", "ffn", "ffn_n",
-                                                  "router", "vectors")}
+                                                  "router", "vectors", "ffn_max")}
+    moe = set(cfg.moe_layers)
     for layer in range(cfg.n_layers):
         prefix = layer_prefix(layer)
         row = dict.fromkeys(cols, 0)
@@ -262,6 +281,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
                 row["ffn_n"] += 1
                 if local == ROUTER:
                     row["router"] = nbytes[name]
+                if layer not in moe:
+                    row["ffn_max"] = max(row["ffn_max"], nbytes[name])
             else:
                 row["vectors"] += fp32(name)
         for key, value in row.items():
@@ -277,7 +298,8 @@ def _aggregate(cfg: ModelConfig, expected: Mapping[str, TensorSpec], nbytes: Map
         lm_head=nbytes[head_name],
         model_vectors=sum(fp32(n) for n in models if n not in (embed_name, head_name)),
         expert_bytes=_expert_bytes(cfg, nbytes),
-        n_experts_total=len(cfg.moe_layers) * cfg.n_experts, source=source)
+        n_experts_total=len(cfg.moe_layers) * cfg.n_experts, source=source,
+        layer_ffn_largest=tuple(cols["ffn_max"]))
 
 
 def _expert_bytes(cfg: ModelConfig, nbytes: Mapping[str, int]) -> int:
@@ -474,6 +496,16 @@ def embed_row_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
     return ts.embed // cfg.vocab
 
 
+def head_block_rows(cfg: ModelConfig, ts: TensorSizes) -> int:
+    """lm_head rows per streamed block: as many as HEAD_BLOCK_BYTES holds, at least one."""
+    return max(1, min(cfg.vocab, HEAD_BLOCK_BYTES // (ts.lm_head // cfg.vocab)))
+
+
+def head_buffer_bytes(cfg: ModelConfig, ts: TensorSizes) -> int:
+    """The block buffer a streamed lm_head needs (km_head in native/k3_model.c)."""
+    return head_block_rows(cfg, ts) * (ts.lm_head // cfg.vocab)
+
+
 STATE_HEADER = 40  # k3_state.c: ten 32-bit words before the ids
 
 
@@ -483,20 +515,42 @@ def snapshot_bytes(cfg: ModelConfig, context: int) -> int:
     return STATE_HEADER + context * (4 + mla_bytes_per_position(cfg)) + kda_state_bytes(cfg)
 
 
+SPECULATIVE_PART = "speculative verify"
+
+
+def verify_record_bytes(cfg: ModelConfig, speculative: int) -> int:
+    """What exact speculative decoding with up to `speculative` drafted tokens holds beside
+    the session (0 when off): the verify record for speculative + 1 positions, as
+    k3_verify_bytes counts it (native/k3_kda.c: one KDA layer's scratch state and conv
+    history, then per position and KDA layer the q/k/v before the conv, k/v after it, the
+    decay and beta), and the logits of every verified position. Its pass fits the prefill
+    chunk's work buffers (speculative + 1 tokens, at most MAX_SPECULATIVE + 1)."""
+    if speculative <= 0:
+        return 0
+    n = speculative + 1
+    p, hk, d, k = cfg.kda_width, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_kernel
+    n_kda = len(cfg.kda_layers)
+    record = (hk * d * d + 3 * p * (k - 1) + n_kda * n * (6 * p + hk)) if n_kda else 0
+    return FLOAT * record + INT * n + n * cfg.vocab * FLOAT
+
+
 def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None) -> _Floor:
-    """Everything resident whatever the trunk layout (given the embedding choice).
+           embed_stream: bool, process_bytes: int = 0, chunk: int | None = None,
+           head_stream: bool = False, verify_bytes: int = 0) -> _Floor:
+    """Everything resident whatever the trunk layout (given the embedding and lm_head choice).
 
     With `embed_stream` the engine holds no embedding table, only a one-row read buffer
-    (km_embed in native/k3_model.c). `process_bytes` is what the process needs beside the
+    (km_embed in native/k3_model.c); with `head_stream` no lm_head, only its block buffer
+    (km_head). `process_bytes` is what the process needs beside the
     engine (interpreter, libraries, tokenizer, UI): the budget is for the whole process.
     The work buffers are for a prefill pass of `chunk` tokens (default: base_chunk)."""
     state = kda_state_bytes(cfg)
     work = work_buffer_parts(cfg, context, base_chunk(context) if chunk is None else chunk)
+    verify = {SPECULATIVE_PART: verify_bytes} if verify_bytes else {}  # only when it is on
     return _Floor({
         PROCESS_PART: process_bytes,
         "embeddings": embed_row_bytes(cfg, ts) if embed_stream else ts.embed,
-        "lm_head": ts.lm_head,
+        "lm_head": head_buffer_bytes(cfg, ts) if head_stream else ts.lm_head,
         "output norms (fp32)": ts.model_vectors,
         "layer vectors (fp32)": sum(ts.layer_vectors),
         "KDA state": state,
@@ -505,6 +559,7 @@ def _floor(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
         "MLA latent cache": context * mla_bytes_per_position(cfg),
         "work buffers": work_buffer_bytes(work),
         "I/O staging": IO_READERS * STAGING_PER_READER,
+        **verify,
     })
 
 
@@ -530,7 +585,7 @@ class PlanError(Exception):
         self.machine_limit = machine_limit
 
 
-_UNIT_NAMES = ("attention", "FFN")
+_UNIT_NAMES = ("attention", "FFN", "split FFN")  # unit index 2: one matrix of a split FFN
 PROCESS_PART = "process (beside the engine)"
 
 
@@ -546,7 +601,7 @@ class Plan:
     embed_bytes: int  # resident for the embeddings: the table, or one row buffer
     embed_table_bytes: int  # the embedding table as stored
     embed_row_bytes: int  # one row, read per token when embed_stream
-    lm_head_bytes: int
+    lm_head_bytes: int  # resident for lm_head: the matrix, or one block buffer
     model_vector_bytes: int  # output norms and AttnRes, fp32
     layer_vector_bytes: int  # every layer's small vectors, fp32, resident even when streamed
     kda_state_bytes: int
@@ -583,13 +638,20 @@ class Plan:
     sizes_source: str
     process_bytes: int = 0  # the process beside the engine: interpreter, libraries, UI
     open_peak_bytes: int = 0  # the most held while the engine opens the model (<= budget)
+    head_stream: bool = False  # lm_head read per pass in row blocks; only when held cannot fit
+    head_block_rows: int = 0  # rows per block when head_stream (0: held)
+    head_table_bytes: int = 0  # lm_head as stored: what head_stream reads per token
+    ffn_split: bool = False  # streamed dense FFNs one matrix per ring unit; only when needed
     machine_limit: int | None = None  # what the machine could hold, when it was checked
+    speculative: int = 0  # drafted tokens verified per pass (0: off)
+    verify_bytes: int = 0  # its verify record and logits (verify_record_bytes)
     work_parts: dict[str, int] = field(default_factory=dict)  # work_bytes by kind
     # per layer, layer 0 first
     layer_bytes: tuple[int, ...] = field(default=(), repr=False)  # trunk as stored
     layer_matrix_bytes: tuple[int, ...] = field(default=(), repr=False)  # cost when pinned
     layer_unit_slots: tuple[tuple[int, int], ...] = field(default=(), repr=False)  # ring
     # slot bound of the (attention, FFN) units if the layer streams under this lookahead
+    # (with ffn_split a dense layer's FFN entry is its largest matrix's unit)
 
     @property
     def floor_parts(self) -> dict[str, int]:
@@ -599,7 +661,8 @@ class Plan:
                 "layer vectors (fp32)": self.layer_vector_bytes,
                 "KDA state": self.kda_state_bytes, "turn snapshots": self.snapshot_bytes,
                 "MLA latent cache": self.mla_cache_bytes, "work buffers": self.work_bytes,
-                "I/O staging": self.staging_bytes}
+                "I/O staging": self.staging_bytes,
+                **({SPECULATIVE_PART: self.verify_bytes} if self.speculative else {})}
 
     @property
     def floor_bytes(self) -> int:
@@ -619,11 +682,22 @@ class Plan:
         return self.floor_bytes + self.trunk_plan_bytes + self.expert_cache_bytes
 
     @property
+    def head_read_per_token(self) -> int:
+        """lm_head bytes read per generated token (every pass that wants logits reads it
+        whole once, whatever its tokens): 0 when held."""
+        return self.head_table_bytes if self.head_stream else 0
+
+    @property
     def cold_read_per_token(self) -> int:
         """Bytes read per token with a cold expert cache: streamed trunk matrices, every
-        MoE layer's top-k and, with embed_stream, the token's embedding row."""
+        MoE layer's top-k and, with embed_stream, the token's embedding row, with
+        head_stream the whole lm_head."""
         return (self.streamed_bytes + self.moe_layers * self.top_k * self.expert_bytes
-                + (self.embed_row_bytes if self.embed_stream else 0))
+                + (self.embed_row_bytes if self.embed_stream else 0) + self.head_read_per_token)
+
+    def read_seconds(self, nbytes: int, disk_gb_per_s: float) -> float:
+        """Seconds to read `nbytes` at a disk speed (GB/s, decimal, as `k3chat doctor`)."""
+        return nbytes / (disk_gb_per_s * 1e9)
 
     def prefill_passes(self, prompt_tokens: int, chunk: int | None = None) -> list[int]:
         """Tokens of each engine pass a prompt is fed in (the engine's km_forward split)."""
@@ -653,6 +727,8 @@ class Plan:
             "pinned": tuple(self.pinned_layers),
             "embed_stream": self.embed_stream,
             "prefill_chunk": self.prefill_chunk,  # the chunk the work buffers were sized for
+            "head_block_rows": self.head_block_rows if self.head_stream else 0,
+            "ffn_split": self.ffn_split,
         }
 
     def stream_options(self, reader_threads: int = IO_READERS) -> Any:
@@ -672,11 +748,13 @@ class Plan:
         out.update(floor_parts=self.floor_parts, floor_bytes=self.floor_bytes,
                    ring_bytes=self.ring_bytes, trunk_plan_bytes=self.trunk_plan_bytes,
                    total=self.total, headroom=self.budget - self.total,
-                   cold_read_per_token=self.cold_read_per_token, engine_options=options)
+                   cold_read_per_token=self.cold_read_per_token,
+                   head_read_per_token=self.head_read_per_token, engine_options=options)
         return out
 
-    def table(self) -> str:
-        return _render_table(self)
+    def table(self, disk_gb_per_s: float | None = None) -> str:
+        """The plan as text; with a disk speed, what a streamed lm_head costs in time."""
+        return _render_table(self, disk_gb_per_s)
 
 
 def _ranges(layers: Sequence[int]) -> str:
@@ -697,7 +775,7 @@ def _row(label: str, nbytes: int, note: str = "") -> str:
     return f"  {label:<30} {nbytes:>19,} B {sz.format_bytes(nbytes):>12}  {note}".rstrip()
 
 
-def _render_table(p: Plan) -> str:
+def _render_table(p: Plan, disk_gb_per_s: float | None = None) -> str:
     per_pos = p.mla_bytes_per_position
     lines = [f"memory plan: budget {sz.format_bytes(p.budget)} ({p.budget:,} B), context "
              f"{p.context:,} tokens; sizes from {p.sizes_source}",
@@ -709,13 +787,18 @@ def _render_table(p: Plan) -> str:
                             f"for its growth (interpreter, libraries, tokenizer, UI)"
                             if p.process_bytes else "not counted"),
              "embeddings": embed_note,
+             "lm_head": (f"streamed: blocks of {p.head_block_rows:,} rows, the whole "
+                         f"{p.head_table_bytes:,} B read per token (not held)" if p.head_stream
+                         else "resident"),
              "MLA latent cache": f"{p.context:,} positions x {per_pos:,} B",
              "layer vectors (fp32)": "norms, AttnRes, conv, A_log, dt_bias, router biases",
              "work buffers": f"peak of one prefill pass, chunk of {p.prefill_chunk:,} tokens "
                              f"(the largest this budget allows, at most the context)",
              "turn snapshots": f"{p.snapshots} x (KDA state + MLA rows + ids at the context)",
              "KDA state": "fixed, whatever the context",
-             "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB"}
+             "I/O staging": f"{IO_READERS} readers x {STAGING_PER_READER // sz.MiB} MiB",
+             SPECULATIVE_PART: f"up to {p.speculative} drafted tokens: per-position KDA vectors "
+                               f"to roll back to, and {p.speculative + 1} positions' logits"}
     for k, v in p.floor_parts.items():
         lines.append(_row(k, v, notes.get(k, "")))
         if k == "work buffers":
@@ -739,6 +822,9 @@ def _render_table(p: Plan) -> str:
                           f"{p.ring_slot_bytes:,} B each (largest streamed unit: "
                           f"{p.ring_unit} matrices, {p.ring_unit_bytes:,} B in "
                           f"{p.ring_unit_tensors} tensors)"))
+        if p.ffn_split:
+            lines.append("    (streamed dense FFNs split: one matrix per unit, gate, up, down, "
+                         "so none needs a slot of its three)")
     lines.append("expert cache")
     lines.append(_row(f"{p.expert_slots:,} slots", p.expert_cache_bytes,
                       f"{p.expert_slot_bytes:,} B each (expert {p.expert_bytes:,} B + "
@@ -749,18 +835,36 @@ def _render_table(p: Plan) -> str:
                       "pinned layers + vectors + the largest read buffer (no ring, expert "
                       "slots or session yet)"))
     embed_read = f" + embedding row {p.embed_row_bytes:,} B" if p.embed_stream else ""
+    head_read = (f" + lm_head {sz.format_bytes(p.head_read_per_token)}" if p.head_stream
+                 else "")
     lines.append(f"cold read per token: {sz.format_bytes(p.cold_read_per_token)} "
                  f"(streamed trunk {sz.format_bytes(p.streamed_bytes)} + top-{p.top_k} experts of "
-                 f"{p.moe_layers} MoE layers{embed_read})")
+                 f"{p.moe_layers} MoE layers{embed_read}{head_read})")
+    if p.head_stream:
+        lines.append(_head_cost_line(p, disk_gb_per_s))
     opts = p.engine_options()
     pinned = _ranges(p.pinned_layers) if opts["trunk_stream"] else "all"
     lines.append(f"engine options: trunk_stream={opts['trunk_stream']}, ring_slots="
                  f"{opts['ring_slots']}, pinned {pinned}, embed_stream={p.embed_stream}, "
-                 f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}")
+                 f"lookahead={p.lookahead}, expert_cache_bytes={opts['expert_cache_bytes']:,}, "
+                 f"head_block_rows={opts['head_block_rows']:,}, ffn_split={p.ffn_split}")
     if p.machine_limit is not None:
         lines.append(f"machine: {sz.format_bytes(p.machine_limit)} can be held without "
                      f"swapping")
     return "\n".join(lines)
+
+
+def _head_cost_line(p: Plan, disk_gb_per_s: float | None) -> str:
+    """What streaming lm_head costs per token, in bytes and, given a disk speed, seconds."""
+    blocks = -(-p.head_table_bytes // p.lm_head_bytes)
+    text = (f"lm_head streamed (no plan fits with it held): {p.head_read_per_token:,} B "
+            f"({sz.format_bytes(p.head_read_per_token)}) read per token in {blocks:,} reads of "
+            f"up to {p.lm_head_bytes:,} B")
+    if disk_gb_per_s is None:
+        return text + ("; give --disk-gbps (the read speed `k3chat doctor` measures) for "
+                       "the time it costs")
+    return (text + f", {p.read_seconds(p.head_read_per_token, disk_gb_per_s):.2f} s per token "
+            f"at {disk_gb_per_s:g} GB/s")
 
 
 _WORK_NOTES = {
@@ -787,11 +891,18 @@ class _Layout:
     streamed: tuple[int, ...]  # read per token when streamed
     routers: tuple[int, ...]  # held when streamed (lookahead only)
     units: tuple[tuple[int, int], ...]  # ring slot bound of (attention, FFN) when streamed
-    unit_raw: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # (bytes, tensors) each
+    split: tuple[int, ...]  # slot bound of a split FFN's largest matrix (0: cannot split)
+    # (bytes, tensors) of each unit index of _UNIT_NAMES: attention, FFN, split FFN matrix
+    unit_raw: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int]], ...]
     # read buffers while the layer is opened: a pinned layer's whole run (or, when it is not
     # contiguous, one tensor at a time); a streamed layer's resident tensors one at a time
     open_pinned: tuple[int, ...]
     open_streamed: tuple[int, ...]
+
+    def unit_slots(self, ffn_split: bool) -> tuple[tuple[int, int], ...]:
+        """Per layer, the slot bounds of its (attention, FFN) units as the engine streams
+        them: with ffn_split a dense layer's FFN needs only its largest matrix."""
+        return tuple((a, s if ffn_split and s else f) for (a, f), s in zip(self.units, self.split))
 
 
 def _layout(ts: TensorSizes, lookahead: int) -> _Layout:
@@ -801,12 +912,14 @@ def _layout(ts: TensorSizes, lookahead: int) -> _Layout:
     for L in range(n):
         attn = (ts.layer_attn[L], ts.layer_attn_count[L])
         ffn = (ts.layer_ffn[L] - routers[L], ts.layer_ffn_count[L] - (1 if routers[L] else 0))
-        raw.append((attn, ffn))
+        largest = ts.layer_ffn_largest[L] if ts.layer_ffn_largest else 0
+        raw.append((attn, ffn, (largest, 1) if largest else (0, 0)))
     streamed = tuple(ts.layer_matrices(L) - routers[L] for L in range(n))
     return _Layout(
         matrices=tuple(ts.layer_matrices(L) for L in range(n)), streamed=streamed,
         routers=routers,
-        units=tuple((unit_slot_bytes(*a), unit_slot_bytes(*f)) for a, f in raw),
+        units=tuple((unit_slot_bytes(*a), unit_slot_bytes(*f)) for a, f, _ in raw),
+        split=tuple(unit_slot_bytes(*m) for _, _, m in raw),
         unit_raw=tuple(raw), open_pinned=ts.layer_trunk,
         open_streamed=tuple(ts.layer_trunk[L] - streamed[L] for L in range(n)))
 
@@ -823,6 +936,7 @@ class _Trunk:
     streamed_bytes: int
     router_bytes: int
     open_buffer: int  # the largest read buffer while the layers are opened
+    ffn_split: bool = False  # streamed dense FFNs come one matrix per ring unit
 
     def cost(self, ring_slots: int) -> int:
         """Trunk memory: pinned matrices + ring + routers held for the lookahead."""
@@ -837,6 +951,9 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
     token instead (only that may let a resident trunk fit). Then the p largest layers
     pinned and the rest streamed (with embedding rows read per token): for a fixed count p
     that pins the most bytes, and here the ring is sized by the largest streamed unit.
+    When a streamed dense FFN is that unit, the same layout follows with the FFN split one
+    matrix per unit (ffn_split, a smaller ring): after the unsplit one, so the FFN splits
+    only when the budget needs it, and before pinning fewer layers (same bytes read).
     """
     n = len(lay.matrices)
     everything = tuple(range(n))
@@ -848,6 +965,7 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
     options = [_Trunk(True, embed, everything, (), 0, None, total, 0, 0, pinned_open[n])
                for embed in (False, True)]
     best: tuple[int, int, int] = (0, 0, 0)  # (slot bound, layer, unit): the ring's unit
+    best_split = best  # the same with every streamed dense FFN split
     streamed: list[int] = []
     pinned_bytes, streamed_bytes, router_bytes, streamed_open = total, 0, 0, 0
     for p in range(n - 1, -1, -1):
@@ -860,28 +978,38 @@ def _trunk_options(lay: _Layout) -> list[_Trunk]:
         for u in (0, 1):  # ties name the lowest layer
             if (lay.units[L][u], -L) > (best[0], -best[1]):
                 best = (lay.units[L][u], L, u)
-        options.append(_Trunk(False, True, tuple(sorted(order[:p])), tuple(sorted(streamed)),
-                              best[0], (best[1], best[2]), pinned_bytes, streamed_bytes,
-                              router_bytes, max(pinned_open[p], streamed_open)))
+        for u, bound in ((0, lay.units[L][0]), (2, lay.split[L]) if lay.split[L] else (1, lay.units[L][1])):
+            if (bound, -L) > (best_split[0], -best_split[1]):
+                best_split = (bound, L, u)
+        pinned_now, streamed_now = tuple(sorted(order[:p])), tuple(sorted(streamed))
+        open_buffer = max(pinned_open[p], streamed_open)
+        options.append(_Trunk(False, True, pinned_now, streamed_now, best[0], (best[1], best[2]),
+                              pinned_bytes, streamed_bytes, router_bytes, open_buffer))
+        if best_split[0] < best[0]:
+            options.append(_Trunk(False, True, pinned_now, streamed_now, best_split[0],
+                                  (best_split[1], best_split[2]), pinned_bytes, streamed_bytes,
+                                  router_bytes, open_buffer, ffn_split=True))
     return options
 
 
-def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk) -> int:
+def _open_peak(ts: TensorSizes, floor: _Floor, trunk: _Trunk, head_stream: bool = False) -> int:
     """The most the engine holds while it opens the model (k3_model_open), an upper bound.
 
     The layers come first, each pinned one through a read buffer of its whole run; then the
-    embedding table (when held) and lm_head, each read into a buffer and copied. The ring,
-    the expert slots (made on first use), the session state and the work buffers do not
-    exist yet."""
+    embedding table (when held) and lm_head (when held), each read into a buffer and copied.
+    The ring, the expert slots (made on first use), the session state, the work buffers and
+    a streamed lm_head's block buffer do not exist yet."""
     held = (floor.parts[PROCESS_PART] + floor.parts["layer vectors (fp32)"]
             + floor.parts["output norms (fp32)"] + floor.parts["I/O staging"]
             + trunk.pinned_bytes + trunk.router_bytes)
     table = 0 if trunk.embed_stream else ts.embed
-    return held + max(trunk.open_buffer, 2 * table, table + 2 * ts.lm_head)
+    head = 0 if head_stream else ts.lm_head
+    return held + max(trunk.open_buffer, 2 * table, table + 2 * head)
 
 
 def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
-                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int) -> int:
+                   snapshots: int, trunk: _Trunk, ring_slots: int, process_bytes: int,
+                   head_stream: bool = False, verify_bytes: int = 0) -> int:
     """The largest prefill chunk (at most the context) beside `trunk` and the expert cache.
 
     A bigger chunk reads each distinct expert and every streamed trunk unit once for more
@@ -892,7 +1020,8 @@ def _largest_chunk(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int,
     base = base_chunk(context)
 
     def need(chunk: int, slots: int) -> int:
-        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+        floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
+                       head_stream, verify_bytes)
         return floor.total + trunk.cost(ring_slots) + slots * slot
 
     slots = _min_expert_slots(cfg, ts)
@@ -923,21 +1052,37 @@ def _check_ring_slots(ring_slots: int, budget: int, context: int) -> None:
 
 
 def _need(cfg: ModelConfig, ts: TensorSizes, floors: Mapping[bool, _Floor], trunk: _Trunk,
-          ring_slots: int) -> int:
+          ring_slots: int, head_stream: bool = False) -> int:
     """The smallest budget `trunk` fits in: held with the minimum expert cache, and the
-    peak while the engine opens the model."""
+    peak while the engine opens the model (`floors` made with the same `head_stream`)."""
     floor = floors[trunk.embed_stream]
     held = floor.total + trunk.cost(ring_slots) + _min_expert_slots(cfg, ts) * slot_bytes(
         ts.expert_bytes)
-    return max(held, _open_peak(ts, floor, trunk))
+    return max(held, _open_peak(ts, floor, trunk, head_stream))
+
+
+def _floors(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
+            process_bytes: int, head_stream: bool, verify_bytes: int = 0) -> dict[bool, _Floor]:
+    """The floor with and without the embedding table, for one lm_head choice."""
+    return {e: _floor(cfg, ts, context, snapshots, e, process_bytes, None, head_stream, verify_bytes)
+            for e in (False, True)}
 
 
 def _smallest(cfg: ModelConfig, ts: TensorSizes, context: int, snapshots: int,
-              lookahead: int, ring_slots: int, process_bytes: int = 0) -> tuple[int, _Trunk]:
-    """The smallest budget any plan at `context` fits in, and its trunk layout."""
-    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
-    return min(((_need(cfg, ts, floors, t, ring_slots), t)
-                for t in _trunk_options(_layout(ts, lookahead))), key=lambda x: x[0])
+              lookahead: int, ring_slots: int,
+              process_bytes: int = 0) -> tuple[int, _Trunk, bool]:
+    """The smallest budget any plan at `context` fits in, its trunk layout and whether
+    lm_head streams (ties keep it held)."""
+    options = _trunk_options(_layout(ts, lookahead))
+    best: tuple[int, _Trunk, bool] | None = None
+    for head_stream in (False, True):
+        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream)
+        need, trunk = min(((_need(cfg, ts, floors, t, ring_slots, head_stream), t)
+                           for t in options), key=lambda x: x[0])
+        if best is None or need < best[0]:
+            best = (need, trunk, head_stream)
+    assert best is not None
+    return best
 
 
 def minimum_budget(cfg: ModelConfig, ts: TensorSizes, context: int,
@@ -992,8 +1137,10 @@ def _trunk_text(lay: _Layout, trunk: _Trunk, ring_slots: int) -> str:
 
 def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snapshots: int,
              lookahead: int, ring_slots: int, process_bytes: int = 0) -> PlanError:
-    need, smallest = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots, process_bytes)
-    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream, process_bytes)
+    need, smallest, head_stream = _smallest(cfg, ts, context, snapshots, lookahead, ring_slots,
+                                            process_bytes)
+    floor = _floor(cfg, ts, context, snapshots, smallest.embed_stream, process_bytes, None,
+                   head_stream)
     k, slot = _min_expert_slots(cfg, ts), slot_bytes(ts.expert_bytes)
     fits = max_context(cfg, ts, budget, snapshots, lookahead=lookahead, ring_slots=ring_slots,
                        process_bytes=process_bytes)
@@ -1001,6 +1148,9 @@ def _refusal(cfg: ModelConfig, ts: TensorSizes, budget: int, context: int, snaps
     if smallest.embed_stream:
         parts += (f"; embedding rows read per token, {embed_row_bytes(cfg, ts):,} B each, "
                   f"instead of holding the {sz.format_bytes(ts.embed)} table")
+    if head_stream:
+        parts += (f"; lm_head read per token in blocks of {head_block_rows(cfg, ts):,} rows "
+                  f"({sz.format_bytes(ts.lm_head)} per token) instead of held")
     advice = f"What to do: give --memory {_round_up_g(need)} or more"
     if fits is not None:
         advice += f", or a context of at most {fits:,} tokens at this budget"
@@ -1052,7 +1202,8 @@ def _check_machine(budget: int, context: int) -> int:
 def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
               budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
               check_machine: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
-              lookahead: int = 0, ring_slots: int = RING_SLOTS, process_bytes: int = 0) -> Plan:
+              lookahead: int = 0, ring_slots: int = RING_SLOTS, process_bytes: int = 0,
+              speculative: int = 0) -> Plan:
     """Split `budget_bytes` for `context` tokens; raise PlanError (with numbers) if it cannot.
 
     `tensor_sizes` is a TensorSizes or a name -> bytes table of the checkpoint. `lookahead`
@@ -1060,7 +1211,8 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
     positive, every streamed MoE layer's router stays resident. `ring_slots` (>= 2) is the
     engine's ring size when the trunk streams. `process_bytes` is what the process needs
     beside the engine (see budgeted.process_reserve): the budget is a ceiling for the whole
-    process, so the engine is given the rest.
+    process, so the engine is given the rest. `speculative` > 0 adds the verify record of
+    exact speculative decoding to the floor (verify_record_bytes).
     """
     ts = (tensor_sizes if isinstance(tensor_sizes, TensorSizes)
           else sizes_from_table(cfg, tensor_sizes))
@@ -1078,19 +1230,27 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                         budget=budget_bytes, context=context)
     _check_ring_slots(ring_slots, budget_bytes, context)
     machine_limit = _check_machine(budget_bytes, context) if check_machine else None
-    floors = {e: _floor(cfg, ts, context, snapshots, e, process_bytes) for e in (False, True)}
+    verify = verify_record_bytes(cfg, speculative)
     slot = slot_bytes(ts.expert_bytes)
     k = _min_expert_slots(cfg, ts)
     lay = _layout(ts, lookahead)
-    # Trunk first: the layout pinning the most bytes that fits beside the minimum cache.
-    trunk = next((t for t in _trunk_options(lay)
-                  if _need(cfg, ts, floors, t, ring_slots) <= budget_bytes), None)
+    # Trunk first: the layout pinning the most bytes that fits beside the minimum cache,
+    # with lm_head held; streamed (read whole every token) only when nothing else fits.
+    trunk, head_stream = None, False
+    for head_stream in (False, True):
+        floors = _floors(cfg, ts, context, snapshots, process_bytes, head_stream, verify)
+        trunk = next((t for t in _trunk_options(lay)
+                      if _need(cfg, ts, floors, t, ring_slots, head_stream) <= budget_bytes),
+                     None)
+        if trunk is not None:
+            break
     if trunk is None:
         raise _refusal(cfg, ts, budget_bytes, context, snapshots, lookahead, ring_slots,
                        process_bytes)
     chunk = _largest_chunk(cfg, ts, budget_bytes, context, snapshots, trunk, ring_slots,
-                           process_bytes)
-    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk)
+                           process_bytes, head_stream, verify)
+    floor = _floor(cfg, ts, context, snapshots, trunk.embed_stream, process_bytes, chunk,
+                   head_stream, verify)
     rest = budget_bytes - floor.total - trunk.cost(ring_slots)
     slots = min(rest // slot, ts.n_experts_total)
     unit = trunk.ring_unit
@@ -1121,28 +1281,32 @@ def make_plan(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
         expert_cache_bytes=slots * slot, min_expert_slots=k,
         experts_total=ts.n_experts_total, top_k=cfg.top_k, moe_layers=len(cfg.moe_layers),
         sizes_source=ts.source, process_bytes=process_bytes, machine_limit=machine_limit,
+        speculative=max(speculative, 0), verify_bytes=verify,
         layer_bytes=ts.layer_trunk,
-        open_peak_bytes=_open_peak(ts, floor, trunk),
-        layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.units,
+        open_peak_bytes=_open_peak(ts, floor, trunk, head_stream),
+        head_stream=head_stream, head_block_rows=head_block_rows(cfg, ts) if head_stream else 0,
+        head_table_bytes=ts.lm_head, ffn_split=trunk.ffn_split,
+        layer_matrix_bytes=lay.matrices, layer_unit_slots=lay.unit_slots(trunk.ffn_split),
     )
 
 
 def make_plan_default_lookahead(cfg: ModelConfig, tensor_sizes: TensorSizes | Mapping[str, int],
                                 budget_bytes: int, context: int = DEFAULT_CONTEXT, *,
-                                check_machine: bool = True, process_bytes: int = 0) -> Plan:
+                                check_machine: bool = True, process_bytes: int = 0,
+                                speculative: int = 0) -> Plan:
     """The plan with k3chat's default lookahead: the model's top-k when the trunk is
     resident, off when it streams. `k3chat bench` measured lookahead 1.44-1.50x faster with
     the trunk resident and no gain with it streamed (0.96-1.01x: the prefetches compete
     with the trunk reads), where its resident routers are better spent on pinned layers."""
     try:
         plan = make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                         lookahead=cfg.top_k, process_bytes=process_bytes)
+                         lookahead=cfg.top_k, process_bytes=process_bytes, speculative=speculative)
         if plan.trunk_resident:
             return plan
     except PlanError:
         pass
     return make_plan(cfg, tensor_sizes, budget_bytes, context, check_machine=check_machine,
-                     lookahead=0, process_bytes=process_bytes)
+                     lookahead=0, process_bytes=process_bytes, speculative=speculative)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1172,6 +1336,9 @@ def _lookahead_arg(text: str) -> int:
     return value
 
 
+from .limits import MAX_SPECULATIVE, speculative_arg  # noqa: E402 - one definition
+
+
 def _prompt_arg(text: str) -> int:
     try:
         value = int(text.replace("_", "").replace(",", ""))
@@ -1179,6 +1346,16 @@ def _prompt_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"a prompt has at least 1 token, got {value}")
+    return value
+
+
+def _gbps_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a speed in GB/s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a disk speed is a positive number of GB/s, got {text}")
     return value
 
 
@@ -1227,6 +1404,9 @@ def _parser() -> argparse.ArgumentParser:
                          "or auto (default)")
     ap.add_argument("--context", type=_context_arg, default=DEFAULT_CONTEXT,
                     help=f"tokens of context to size the session for (default {DEFAULT_CONTEXT})")
+    ap.add_argument("--speculative", type=speculative_arg, default=0, metavar="N",
+                    help="count the verify record of exact speculative decoding with up to N "
+                         "drafted tokens (run/chat/serve --speculative N); default 0, off")
     ap.add_argument("--lookahead", type=_lookahead_arg, default=None,
                     help="router lookahead the engine will run with: experts per token "
                          "prefetched for the next layer (default, as `k3chat run` does: "
@@ -1235,6 +1415,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=_prompt_arg, default=None, metavar="N",
                     help="also report how a prompt of N tokens is fed: the prefill chunk, the "
                          "passes and the expected expert bytes read (uniform routing)")
+    ap.add_argument("--disk-gbps", type=_gbps_arg, default=None, metavar="GB/S",
+                    help="the disk's read speed in GB/s (what `k3chat doctor` measures): when "
+                         "the plan streams lm_head, also say what that costs per token in time")
     ap.add_argument("--json", dest="json_out", help="also write the plan as JSON to this file")
     ap.add_argument("--no-machine-check", action="store_true",
                     help="plan for another machine: do not compare the budget with this "
@@ -1248,7 +1431,7 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def main_plan(argv: Sequence[str]) -> int:
     """`k3chat plan MODEL_DIR [--memory X] [--context N] [--lookahead K] [--prompt-tokens N]
-    [--json OUT]`:
+    [--disk-gbps S] [--json OUT]`:
     0 ok, 2 refused."""
     try:
         args = _parser().parse_args(list(argv))
@@ -1265,10 +1448,11 @@ def main_plan(argv: Sequence[str]) -> int:
         process = sz.process_reserve()
         if args.lookahead is None:
             plan = make_plan_default_lookahead(cfg, ts, budget, args.context, check_machine=machine,
-                                               process_bytes=process)
+                                               process_bytes=process, speculative=args.speculative)
         else:
             plan = make_plan(cfg, ts, budget, args.context, check_machine=machine,
-                             lookahead=args.lookahead, process_bytes=process)
+                             lookahead=args.lookahead, process_bytes=process,
+                             speculative=args.speculative)
         if args.prompt_tokens is not None and args.prompt_tokens > args.context:
             raise PlanError(f"a prompt of {args.prompt_tokens:,} tokens does not fit a context of "
                             f"{args.context:,} tokens. What to do: give --context "
@@ -1285,8 +1469,12 @@ def main_plan(argv: Sequence[str]) -> int:
     if sz.is_auto(args.memory):
         print(f"--memory auto: {int(sz.AUTO_FRACTION * 100)}% of what this machine can hold "
               f"without swapping, in 256 MiB steps")
-    print(plan.table())
+    print(plan.table(args.disk_gbps))
     payload: dict[str, Any] = {"ok": True, "model_dir": str(args.model_dir), "plan": plan.to_dict()}
+    if args.disk_gbps is not None:
+        payload["disk_gb_per_s"] = args.disk_gbps
+        payload["head_read_seconds_per_token"] = plan.read_seconds(plan.head_read_per_token,
+                                                                   args.disk_gbps)
     if args.prompt_tokens is not None:
         payload["prompt"] = prompt_report(plan, args.prompt_tokens)
         print(_prompt_text(payload["prompt"]))

@@ -28,7 +28,7 @@ from .errors import CheckpointError
 __all__ = [
     "DTYPE_SIZES", "INDEX_NAME", "SINGLE_NAME", "LANGUAGE_PREFIX",
     "TensorInfo", "ShardHeader", "Checkpoint",
-    "read_header", "read_shard_header", "open_checkpoint", "read_tensor",
+    "read_header", "read_shard_header", "header_file_size", "index_shards", "open_checkpoint", "read_tensor",
     "strict_json_loads", "JSONStrictError", "warn_total_size_once",
 ]
 
@@ -388,6 +388,27 @@ def read_shard_header(path: str | Path) -> ShardHeader:
     except _Refusal as exc:
         raise CheckpointError(f"{path}: {exc}; {_DAMAGED}") from None
     return ShardHeader(path, tensors, metadata, n, size)
+
+
+def header_file_size(path: str | Path) -> int:
+    """The file size a safetensors header describes: 8 + N + the end of its last tensor.
+
+    The header is checked by the same rules as read_shard_header except the end of the
+    file, so a truncated or padded file is measured rather than refused (`k3chat verify`
+    reports it as the wrong size); raise CheckpointError naming the file otherwise."""
+    path = Path(path)
+    try:
+        n, raw, _ = _read_prefix(path)
+        tensors, _ = _entries(_parse_header_json(raw), path.name, 8 + n, SIZE_LIMIT)
+    except _Refusal as exc:
+        raise CheckpointError(f"{path}: {exc}; {_DAMAGED}") from None
+    return max((t.end for t in tensors.values()), default=8 + n)
+
+
+def index_shards(index: str | Path) -> list[str]:
+    """The shard file names an index lists, sorted; the index is checked as when opened."""
+    weight_map, _ = _read_index(Path(index))
+    return sorted(set(weight_map.values()))
 
 
 def read_header(path: str | Path) -> dict[str, TensorInfo]:

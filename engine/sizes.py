@@ -14,7 +14,9 @@ Budget strings (case-insensitive, spaces around the unit allowed):
 What the machine can hold is the smaller of `MemAvailable` (swap never counts: a plan that
 relies on swap would make every expert read a page fault) and the headroom left under the
 process's cgroup memory limit (v2 `memory.max`, or v1 `memory.limit_in_bytes`), taking the
-tightest limit of the cgroup and its ancestors.
+tightest limit of the cgroup and its ancestors. On macOS (no /proc, no cgroups) the total is
+sysctl `hw.memsize` and the available memory `vm_stat`'s free + speculative + inactive pages
+(engine/darwin_info.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from __future__ import annotations
 import os
 import re
 import resource
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+
+from . import darwin_info
 
 __all__ = [
     "KiB", "MiB", "GiB", "TiB", "PRESETS", "AUTO_FRACTION",
@@ -305,8 +311,14 @@ def read_cgroup_memory(root: str | Path = "/sys/fs/cgroup",
 
 def read_machine_memory(meminfo: str | Path = "/proc/meminfo",
                         cgroup_root: str | Path = "/sys/fs/cgroup",
-                        proc_cgroup: str | Path = "/proc/self/cgroup") -> MachineMemory:
-    """RAM and limits of this machine. Without /proc (not Linux) falls back to sysconf."""
+                        proc_cgroup: str | Path = "/proc/self/cgroup", *,
+                        system: str = sys.platform,
+                        sysctl: darwin_info.SysctlReader = darwin_info.read_sysctl,
+                        vm_stat: Callable[[], str | None] = darwin_info.run_vm_stat) -> MachineMemory:
+    """RAM and limits of this machine: /proc and cgroups on Linux, sysctl and vm_stat on
+    macOS; elsewhere sysconf's total."""
+    if system == "darwin":
+        return _darwin_memory(sysctl, vm_stat)
     try:
         info = read_meminfo(meminfo)
     except OSError:
@@ -318,6 +330,26 @@ def read_machine_memory(meminfo: str | Path = "/proc/meminfo",
         available = info.get("MemFree", 0) + info.get("Cached", 0) or total
     return MachineMemory(total=total, available=available, swap_total=info.get("SwapTotal", 0),
                          cgroup=read_cgroup_memory(cgroup_root, proc_cgroup))
+
+
+def _darwin_memory(sysctl: darwin_info.SysctlReader,
+                   vm_stat: Callable[[], str | None]) -> MachineMemory:
+    total = darwin_info.sysctl_int(sysctl, "hw.memsize") or _sysconf_total()
+    text = vm_stat()
+    try:
+        available = darwin_info.available_bytes(text) if text is not None else None
+    except ValueError:
+        available = None
+    if available is None:
+        # Without vm_stat only the free pages are known: an underestimate, never more than
+        # the machine can give.
+        free = darwin_info.sysctl_int(sysctl, "vm.page_free_count") or 0
+        available = free * (darwin_info.sysctl_int(sysctl, "hw.pagesize") or 4096)
+    # vm.swapusage is a struct xsw_usage whose first field is the swap total in bytes
+    swap = sysctl("vm.swapusage")
+    swap_total = int.from_bytes(swap[:8], "little") if swap is not None and len(swap) >= 8 else 0
+    return MachineMemory(total=total, available=min(available, total) if total else available,
+                         swap_total=swap_total, cgroup=None)
 
 
 def _sysconf_total() -> int:
@@ -351,8 +383,9 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+def _maxrss_bytes(system: str = sys.platform) -> int:
+    # ru_maxrss is in KiB on Linux and the BSDs, in bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if system == "darwin" else 1024)
 
 
 def resident_bytes() -> int:

@@ -4,6 +4,11 @@ Output of `run --prompt`: reasoning and answer on standard output under their ow
 streamed; status lines (session, token counts, notices) on standard error, so
 `k3chat run M --prompt Q --no-think > answer.txt` keeps only the answer and its header.
 
+Prefill progress goes to standard error (see _Printer). Ctrl-C (or SIGTERM/SIGHUP) while the
+prompt is read stops at the next chunk boundary: no answer is stored, the message stays in the
+session unanswered, the engine state read so far is saved, and `--session S --resume` reads
+only the rest; exit 5.
+
 Ctrl-C (or SIGTERM/SIGHUP): the first lets the step in flight finish, saves what was
 generated (marked interrupted) and exits 5. A second aborts the engine step in flight (between
 two layers), still saves what was generated (parsed leniently, marked interrupted), skips the
@@ -16,10 +21,12 @@ on standard output goes through display.json_safe.
 
 Exit codes (cli.py): 0 done (an answer cut at the token limit too: saved, marked, said);
 1 a runtime failure: the turn failed or its answer was malformed (what was generated is saved,
-marked interrupted), the prompt does not fit the context (nothing is saved), the history could
-not be read or written, the engine failed; 2 a usage or configuration problem, including
-a checkpoint or tokenizer that cannot be opened, a memory plan that cannot fit, an invalid
-prompt text or session name, and --context above the model's max_position_embeddings;
+marked interrupted), the history could not be read or written, the engine failed; 2 a usage or
+configuration problem, including a checkpoint or tokenizer that cannot be opened, a memory plan
+that cannot fit, an invalid prompt text or session name, a --file or --prompt-file that cannot
+be read as text (k3chat.attachments says why), a message that does not fit the context
+(nothing is sent or saved; k3chat.context_fit gives the context and memory that would hold it),
+and --context above the model's max_position_embeddings;
 4 a routed expert could not be read; 5 interrupted (Ctrl-C, SIGTERM, SIGHUP). Every failure
 prints one `k3chat: ...` line saying what happened and whether anything was saved.
 """
@@ -37,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .display import for_terminal, json_safe
-from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, ReasoningToken
+from .events import AnswerToken, Event, Notice, PhaseChanged, Prefill, PrefillProgress, ReasoningToken
 from .history import (AmbiguousSession, HistoryError, HistoryStore, NameTaken, SessionBusy, SessionExists,
                       SessionInfo, display_name, open_store)
 from .runtime import (EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure,
@@ -130,6 +137,7 @@ def _run_settings(args: argparse.Namespace) -> Any:
         "top_k": args.top_k,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
+        "speculative": getattr(args, "speculative", None),
         "remote": getattr(args, "remote", None),
         "remote_model": getattr(args, "remote_model", None),
         "api_key_file": getattr(args, "api_key_file", None),
@@ -197,14 +205,57 @@ def _in_worker(fn: Callable[[], Any]) -> Any:
 # --------------------------------------------------------------------------- output
 
 
-class _Printer:
-    """Streams a turn: text to stdout under headers, status to stderr."""
+# Without a terminal, a prefill progress line at most this often (seconds), beside the
+# first and the last: a log of an hour's prefill stays a few hundred lines.
+LOG_PROGRESS_EVERY = 10.0
 
-    def __init__(self, session: SessionInfo) -> None:
+
+class _Printer:
+    """Streams a turn: text to stdout under headers, status to stderr.
+
+    Prefill progress goes to stderr: on a terminal one line redrawn in place; otherwise (a
+    log, a pipe) a line when the prefill starts, every LOG_PROGRESS_EVERY seconds and when
+    it ends or stops."""
+
+    def __init__(self, session: SessionInfo, signals: SignalStops | None = None) -> None:
         self.session = session
+        self.signals = signals
         self._at_line_start = True
         self._announced = False
         self._stdout_gone = False
+        self._progress_open = False  # a redrawn progress line is on the terminal, unfinished
+        self._progress_logged: float | None = None
+        try:
+            self._tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            self._tty = False
+
+    def _progress(self, event: PrefillProgress) -> None:
+        from .progress import progress_bar, progress_line
+
+        last = event.done >= event.total
+        if self._tty:
+            text = f"k3chat: {progress_line(event)} {progress_bar(event)}"
+            try:
+                sys.stderr.write("\r" + text + "\x1b[K" + ("\n" if last else ""))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            self._progress_open = not last
+            return
+        logged = self._progress_logged
+        if last or logged is None or event.seconds - logged >= LOG_PROGRESS_EVERY or event.done == 0:
+            self._progress_logged = event.seconds
+            _err(progress_line(event))
+
+    def _end_progress(self) -> None:
+        """Other stderr output follows: finish a redrawn progress line first."""
+        if self._progress_open:
+            self._progress_open = False
+            try:
+                sys.stderr.write("\n")
+            except (OSError, ValueError):
+                pass
 
     def _out(self, text: str) -> None:
         text = for_terminal(text)  # per character, so each streamed piece is safe alone
@@ -231,11 +282,19 @@ class _Printer:
         self._out(f"--- {title} ---\n")
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, PrefillProgress):
+            if self.signals is not None:  # what a first Ctrl-C lets finish, said when it comes
+                self.signals.step, self.signals.what = "the chunk of the prompt in flight", "read"
+            self._progress(event)
+            return
+        self._end_progress()
         if isinstance(event, Prefill):
             where = f" (from {event.source.replace('_', ' ')})" if event.source else ""
             _err(f"session {self.session.name!r} ({self.session.id}): prompt {event.prompt_tokens} tokens, "
                  f"reused {event.reused_tokens}{where}, prefilling {event.prefilled_tokens}")
         elif isinstance(event, PhaseChanged):
+            if event.phase != "prefill" and self.signals is not None:
+                self.signals.step, self.signals.what = "the current step", "generated"
             if event.phase in ("reasoning", "answer"):
                 if not self._announced:
                     self._announced = True
@@ -281,6 +340,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _Usage("--resume needs --session")
     if args.resume and args.system is not None:
         raise _Usage("--system starts a new session; it cannot be used with --resume")
+    if getattr(args, "files", None) and args.resume:
+        raise _Usage("--file attaches files to a new message; --resume answers the stored one as it is")
+    _read_prompt(args)
     if args.prompt is not None and args.prompt == "":
         raise _Usage("--prompt is empty")
     if args.lookahead is not None and args.lookahead < 0:
@@ -293,6 +355,43 @@ def _check_args(args: argparse.Namespace) -> None:
         problem = _text_problem(option, text)
         if problem is not None:
             raise _Usage(problem)
+
+
+def _read_prompt(args: argparse.Namespace) -> None:
+    """``args.prompt`` from --prompt-file or standard input (--prompt -), and
+    ``args.attachments`` from each --file: all read and checked before anything is created."""
+    from .attachments import read_attachment, read_text_file
+
+    if getattr(args, "prompt_file", None) is not None:
+        args.prompt = read_text_file(args.prompt_file, "--prompt-file")
+    elif args.prompt == "-":
+        args.prompt = _stdin_prompt()
+    args.attachments = [read_attachment(path) for path in getattr(args, "files", None) or ()]
+
+
+def _stdin_prompt() -> str:
+    if _isatty(sys.stdin):
+        raise _Usage("--prompt - reads the message from standard input, which is a terminal here; pipe it in "
+                     "(k3chat run ... --prompt - < question.txt) or give --prompt-file PATH")
+    try:
+        data = sys.stdin.buffer.read()
+    except (OSError, ValueError, AttributeError) as exc:
+        raise _Usage(f"--prompt -: cannot read standard input: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Usage(f"--prompt -: standard input is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                     f"{exc.start:,}); convert it first (e.g. with iconv)") from None
+    if not text:
+        raise _Usage("--prompt -: standard input was empty; pipe the message in")
+    return text.removeprefix("\ufeff")
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _context(args: argparse.Namespace, model_dir: Path) -> int:
@@ -381,7 +480,7 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
     created: SessionInfo | None = None
     try:
         opened = open_model(model_dir, memory=memory, context=context, threads=args.threads,
-                            lookahead=args.lookahead, scalar=args.scalar)
+                            lookahead=args.lookahead, scalar=args.scalar, speculative=settings.speculative)
         if signals.requested.is_set():
             opened.close()
             return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
@@ -398,10 +497,19 @@ def _run_chat(args: argparse.Namespace, signals: SignalStops) -> int:
             except (HistoryError, OSError) as exc:
                 return _fail(f"cannot create the session: {exc}")
         return _run_turn(args, settings, store, info, created is not None, system, opened.model,
-                         opened.tokenizer, signals, context)
+                         opened.tokenizer, signals, context, fit=_fit_for(opened))
     finally:
         if created is not None:
             _discard_if_empty(store, created)  # a failure before the first record: no trace
+
+
+def _fit_for(opened: Any) -> Callable[[Any], Any]:
+    """The advice for a message that does not fit, planned as this session's plan was."""
+    from .context_fit import advise
+    plan = opened.plan
+    lookahead = plan.lookahead if plan is not None else 0
+    process = plan.process_bytes if plan is not None else 0
+    return lambda overflow: advise(overflow, opened.model_dir, lookahead=lookahead, process_bytes=process)
 
 
 def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, model: Any,
@@ -413,7 +521,7 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
     try:
         conv = Conversation(model, tokenizer, store, info.id, thinking=settings.thinking, effort=settings.effort,
                             max_tokens=settings.max_tokens, context=context,
-                            model_name=Path(settings.model).name)
+                            model_name=Path(settings.model).name, speculative=settings.speculative)
         conv.sampler = sampler_settings(sampling=settings.sampling, temperature=settings.temperature,
                                         top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
                                         records=conv.records)
@@ -428,7 +536,7 @@ def _conversation(args: argparse.Namespace, settings: Any, store: HistoryStore, 
 
 def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info: SessionInfo, created: bool,
               system: str | None, model: Any, tokenizer: Any, signals: SignalStops, context: int,
-              conv: Any = None) -> int:
+              conv: Any = None, fit: Callable[[Any], Any] | None = None) -> int:
     from k3engine.model import ExpertReadError
 
     from .conversation import ContextOverflow, ConversationError, TurnFailed
@@ -444,7 +552,7 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
     if signals.requested.is_set():  # before anything was committed: leave no trace
         return _fail("interrupted before the turn started; nothing was changed", EXIT_INTERRUPTED)
     signals.policy.bind(after_step=conv.cancel, abort_step=conv.abort)
-    printer = _Printer(info)
+    printer = _Printer(info, signals)
     payload: dict[str, Any] = {"session": info.id, "session_name": info.name,
                                "model_dir": None if settings.model is None else str(settings.model)}
     if settings.remote is not None:
@@ -455,10 +563,16 @@ def _run_turn(args: argparse.Namespace, settings: Any, store: HistoryStore, info
         if args.resume:
             result = _in_worker(lambda: conv.respond(on_event=printer))
         else:
-            result = _in_worker(lambda: conv.send(args.prompt, system=system, on_event=printer))
+            result = _in_worker(lambda: conv.send(args.prompt, system=system, attachments=getattr(args, "attachments", ()),
+                                                  on_event=printer))
     except ContextOverflow as exc:
         payload.update(error=str(exc), prompt_tokens=exc.prompt_tokens, interrupted=False)
-        code = _fail(str(exc))
+        if fit is not None:
+            advice = fit(exc)
+            payload.update(error=advice.message(settings.model), fit=dataclasses.asdict(advice))
+            code = _fail(advice.message(settings.model), EXIT_USAGE)
+        else:
+            code = _fail(str(exc), EXIT_USAGE)
     except TurnFailed as exc:
         result = exc.result
         code = _fail(f"the turn failed: {exc}",
@@ -500,7 +614,8 @@ def _run_remote_chat(args: argparse.Namespace, settings: Any, signals: SignalSto
     from .remote import RemoteClient, RemoteError, resolve_model
 
     local_only = {"--memory": args.memory, "--threads": args.threads, "--lookahead": args.lookahead,
-                  "--context": args.context, "--scalar": args.scalar or None}
+                  "--context": args.context, "--scalar": args.scalar or None,
+                  "--speculative": getattr(args, "speculative", None)}
     given = [name for name, value in local_only.items() if value is not None]
     if given:
         raise _Usage(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the remote "
@@ -561,6 +676,15 @@ def _remote_turn(args: argparse.Namespace, settings: Any, signals: SignalStops, 
 
 
 def _summary(result: Any, info: SessionInfo) -> None:
+    if getattr(result, "pending", False):
+        rate = ""
+        if result.prefill_seconds > 0 and result.prefilled_tokens:
+            rate = f" in {result.prefill_seconds:.1f} s ({result.prefilled_tokens / result.prefill_seconds:.0f} tok/s)"
+        held = result.reused_tokens + result.prefilled_tokens
+        _err(f"prefill stopped: {result.prefilled_tokens:,} prompt tokens read{rate}, {held:,} of "
+             f"{result.prompt_tokens:,} held; the message is saved unanswered in session {info.name!r} "
+             f"(continue with --session {info.id} --resume)")
+        return
     speed = ""
     if result.decode_seconds > 0 and result.generated_tokens > 1:
         speed = f" ({(result.generated_tokens - 1) / result.decode_seconds:.1f} tokens/s)"

@@ -12,12 +12,14 @@ an entry in COMMANDS.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from .restart import RestartRequest
     from .settings import Settings
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
@@ -63,6 +65,11 @@ def _add_remote_options(p: argparse.ArgumentParser) -> None:
                    help="--remote: verify the server's TLS certificate with this CA (PEM) instead of the system's")
 
 
+SPECULATIVE_HELP = ("exact speculative decoding: verify up to N tokens drafted from the conversation "
+                    "itself in one pass (0 = off, the default; config key `speculative`); the "
+                    "output is the same, only the speed changes")
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="one-shot generation: a chat turn (--prompt) or raw ids (--ids)")
     r.add_argument("model_dir", nargs="?", default=None,
@@ -70,10 +77,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--demo", action="store_true", help="use the built-in demo model")
     what = r.add_mutually_exclusive_group(required=True)
     what.add_argument("--ids", type=_ids, help="prompt as comma-separated token ids (no tokenizer, no chat format)")
-    what.add_argument("--prompt", help="a chat message; the answer is saved to the session")
+    what.add_argument("--prompt", help="a chat message; the answer is saved to the session ('-': read it from "
+                                       "standard input)")
+    what.add_argument("--prompt-file", metavar="PATH", help="read the chat message from this UTF-8 text file")
     what.add_argument("--resume", action="store_true",
                       help="answer the unanswered last message of --session (after a crash)")
     r.add_argument("--gen", type=_positive, default=None, help="--ids only: tokens to generate (default 16)")
+    r.add_argument("--file", dest="files", action="append", metavar="PATH", default=None,
+                   help="attach this file to the message (repeatable): text, Markdown, source code, CSV/TSV, JSON "
+                        "or PDF, up to 16 MiB each")
     r.add_argument("--system", help="system message (starts a new session)")
     think = r.add_mutually_exclusive_group()
     think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
@@ -86,6 +98,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     r.add_argument("--session", metavar="NAME", help="continue this session (id or name); created if new")
     r.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
+    r.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
     r.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context limit in positions, also what the memory plan is sized for "
                         "(default 8192, capped at the model's limit)")
@@ -148,7 +161,13 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     think.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                        help="reasoning effort (default max, or config.toml)")
     think.add_argument("--no-think", action="store_true", help="answer without reasoning")
+    # Given here, these win over a resumed session's stored settings for this run (not stored).
+    c.add_argument("--temperature", metavar="X", help="sampling temperature (> 0); implies sampling")
+    c.add_argument("--top-p", metavar="P", help="nucleus mass (0 < P <= 1); implies sampling")
+    c.add_argument("--top-k", metavar="K", help="keep the K likeliest ids (0 = off); implies sampling")
+    c.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
+    c.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
     c.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
     c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
@@ -161,6 +180,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                                "by default)"))
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    from .verify import add_arguments
+    add_arguments(sub.add_parser("verify", help="check a downloaded checkpoint: every shard's size "
+                                                "and SHA-256, every header, the index"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="k3chat", description="Private, local chat with Kimi K3.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -168,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sessions(sub)
     _add_chat(sub)
     _add_serve(sub)
+    _add_verify(sub)
     helps = {"fixture": "write a test checkpoint (presets: tiny, wide)",
              "eval-demo": "score the built-in demo model on held-out questions (C engine)",
              "train-demo": "retrain the built-in demo model (needs pip install '.[train]')",
@@ -198,7 +224,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     chat_only = {"--system": args.system, "--session": args.session, "--temperature": args.temperature,
                  "--top-p": args.top_p, "--top-k": args.top_k, "--seed": args.seed,
                  "--max-tokens": args.max_tokens, "--thinking-effort": args.thinking_effort,
-                 "--no-think": args.no_think or None, "--context": args.context}
+                 "--no-think": args.no_think or None, "--context": args.context, "--file": args.files,
+                 "--speculative": args.speculative}
     given = [name for name, value in chat_only.items() if value is not None]
     if given:
         return usage_error(f"{', '.join(given)} need --prompt (--ids runs raw ids, greedy; use --gen for its length)")
@@ -255,7 +282,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "memory": args.memory,
         "effort": args.thinking_effort,
         "thinking": False if args.no_think else (True if args.thinking_effort else None),
-        "max_tokens": args.max_tokens,
+        **chat_sampler_options(args),
+        "speculative": args.speculative,
         "remote": args.remote,
         "remote_model": args.remote_model,
         "api_key_file": args.api_key_file,
@@ -270,6 +298,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if settings.remote is not None:
         return _chat_remote(args, settings)
     return _chat_local(args, settings)
+
+
+def chat_sampler_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """`chat`'s sampler options as Settings fields (None: not given)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "max_tokens": args.max_tokens}
+
+
+def sampler_given(args: argparse.Namespace) -> frozenset[str]:
+    """The Settings fields the command line chose: they win over a resumed session's stored
+    ones for this run. A sampler value means sampling (merge_cli), so that is chosen too."""
+    given = {name for name, value in chat_sampler_options(args).items() if value is not None}
+    if given - {"max_tokens"}:
+        given.add("sampling")
+    return frozenset(given)
 
 
 def _chat_with_configured_remote(args: argparse.Namespace) -> int:
@@ -290,7 +333,8 @@ def _chat_remote(args: argparse.Namespace, settings: object) -> int:
     from .chat_cli import remote_endpoint, usage_error
     from .remote import RemoteError
 
-    local_only = {"--memory": args.memory, "--threads": args.threads, "--context": args.context}
+    local_only = {"--memory": args.memory, "--threads": args.threads, "--context": args.context,
+                  "--speculative": args.speculative}
     given = [name for name, value in local_only.items() if value is not None]
     if given:
         return usage_error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the local model; the "
@@ -341,7 +385,8 @@ def _run_app(args: argparse.Namespace, settings: "Settings", model: object, fact
     try:
         app = build_app(model, settings=settings, demo=args.demo, engine_factory=factory,  # type: ignore[arg-type]
                         session=args.session, memory=memory, threads=args.threads, context=args.context,
-                        thinking_given=bool(args.no_think or args.thinking_effort))
+                        thinking_given=bool(args.no_think or args.thinking_effort),
+                        sampler_given=sampler_given(args))
     except AppUsageError as exc:
         return usage_error(str(exc))
     except VaultError as exc:  # the passphrase is asked here, before the screen starts
@@ -364,7 +409,39 @@ def _run_app(args: argparse.Namespace, settings: "Settings", model: object, fact
     from .display import for_terminal
     for line in app.goodbye():  # how to resume, and what could not be saved
         print(for_terminal(line), file=sys.stderr)
+    if app.restart is not None:  # the user chose a larger context for a message that did not fit
+        return _restart(getattr(args, "argv", sys.argv[1:]), app.restart, app.store.vault)
     return int(code if code is not None else (app.return_code or EXIT_OK))
+
+
+def _restart(argv: Sequence[str], request: "RestartRequest", sealer: object) -> int:
+    """Hand the unsent message over (k3chat.restart) and execute `k3chat` again with the new
+    context and memory; returns only if that failed (the message then waits for the next start)."""
+    import shlex
+
+    from .restart import hand_over, restart_argv
+
+    new = restart_argv(argv, request)
+    try:
+        hand_over(request.draft, sealer)  # type: ignore[arg-type]
+    except OSError as exc:
+        print(f"k3chat: cannot keep the message for the restart ({exc}); start again with: "
+              f"k3chat {shlex.join(new)}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(f"k3chat: starting again with: k3chat {shlex.join(new)}", file=sys.stderr)
+    sys.stderr.flush()
+    try:
+        _reexec(new)
+    except OSError as exc:
+        print(f"k3chat: could not start again ({exc}); run: k3chat {shlex.join(new)} (your message comes back "
+              "in the input)", file=sys.stderr)
+        return EXIT_RUNTIME
+    return EXIT_OK  # not reached: the process is replaced
+
+
+def _reexec(argv: Sequence[str]) -> None:
+    """Replace this process with `python -m k3chat ARGV` (the same interpreter and package)."""
+    os.execv(sys.executable, [sys.executable, "-m", "k3chat", *argv])
 
 
 def terminal_problem() -> str | None:
@@ -408,7 +485,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return main_serve(args)
 
 
-COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat, "serve": cmd_serve}
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import main_verify
+    return main_verify(args)
+
+
+COMMANDS = {"run": cmd_run, "sessions": cmd_sessions, "chat": cmd_chat, "serve": cmd_serve,
+            "verify": cmd_verify}
 
 
 def _passthrough() -> dict[str, str]:
@@ -483,6 +566,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 for --help
         return int(exc.code or 0)
+    args.argv = args_list  # `chat` starts itself again with them (k3chat.restart)
     handler = COMMANDS.get(args.command)
     if handler is None:
         parser.print_help(sys.stderr)

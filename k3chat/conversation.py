@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from k3chat import paths, statefile
-from k3chat.engine_api import EngineModel, EngineSession
+from k3chat.attachments import Attachment, model_message
+from k3chat.engine_api import EngineModel, EngineSession, VerifyingSession
 from k3chat.events import (
     AnswerToken,
     Event,
@@ -48,7 +49,9 @@ from k3chat.events import (
     ignore,
 )
 from k3chat.history import STOPS, HistoryStore
+from k3chat.progress import PrefillMeter
 from k3chat.sampler import Sampler, SamplerSettings
+from k3chat.speculative import Speculator
 from k3chat.template import Grammar, MalformedTurn, ParsedTurn, StreamParser, encode, render
 from k3chat.tokenizer import Tokenizer
 
@@ -66,6 +69,11 @@ STATE_SUFFIX = ".k3state"
 # Bumped when the engine's exported state layout changes (native/k3_state.c KS_VERSION):
 # part of the fingerprint, so an old state file is refused by reason rather than by luck.
 ENGINE_STATE_LAYOUT = b"k3-engine-state:K3S1:v1"
+# Prompt tokens per engine call while prefilling when every weight is held (trunk resident,
+# every routed expert fits the cache): a piece smaller than the engine's chunk then reads
+# nothing twice, and a long prompt reports progress and can stop this often. Otherwise a
+# piece is the engine's own chunk, so each distinct expert is still read once per chunk.
+RESIDENT_PIECE = 64
 
 
 # --------------------------------------------------------------------------- errors
@@ -88,6 +96,10 @@ class ContextOverflow(ConversationError):
             f"the conversation would overflow the context: {prompt_tokens} prompt tokens + "
             f"{max_tokens} for the answer + 1{extra} > {context} positions; the history was not changed"
         )
+
+
+class _PrefillStopped(Exception):
+    """cancel() seen between two prefill pieces: the state holds every piece fed so far."""
 
 
 class TurnFailed(ConversationError):
@@ -128,6 +140,15 @@ class TurnResult:
     sync_tokens: int = 0  # fed after the turn to line the state up with the stored text
     state_saved: bool = False
     engine: dict[str, int] = field(default_factory=dict)
+    # Stopped while the prompt was read: no answer was stored, the user message waits for
+    # respond(); prefilled_tokens says how much of it was read this time.
+    pending: bool = False
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified
+    draft_accepted: int = 0  # ... of which the sampler produced the same token
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def generated_tokens(self) -> int:
@@ -156,6 +177,9 @@ class TurnResult:
             "saved": self.saved,
             "sync_tokens": self.sync_tokens,
             "state_saved": self.state_saved,
+            "pending": self.pending,
+            "draft_proposed": self.draft_proposed,
+            "draft_accepted": self.draft_accepted,
             "stats": dict(self.engine),
         }
 
@@ -227,6 +251,31 @@ def sweep_state_temps() -> list[Path]:
     return paths.sweep_temps(paths.state_dir() / "sessions")
 
 
+def engine_prefill_piece(model: EngineModel) -> int | None:
+    """Prompt tokens per engine call while prefilling (see RESIDENT_PIECE); None: all at once
+    (an engine that does not say its chunk)."""
+    streaming = getattr(model, "streaming", None)  # k3engine's StreamOptions; not part of the seam
+    chunk = getattr(streaming, "prefill_chunk", None)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        return None
+    return min(chunk, RESIDENT_PIECE) if _holds_every_weight(model, streaming) else chunk
+
+
+def _holds_every_weight(model: EngineModel, streaming: object) -> bool:
+    if getattr(streaming, "trunk_stream", True):
+        return False
+    config = model.config
+    moe_layers = getattr(config, "moe_layers", None)
+    n_experts = getattr(config, "n_experts", None)
+    if not isinstance(moe_layers, tuple) or not isinstance(n_experts, int):
+        return False
+    try:
+        slots = int(model.stats().get("expert_slots", 0))
+    except Exception:
+        return False
+    return slots >= len(moe_layers) * n_experts
+
+
 def default_context(model_dir: str | Path | None) -> int:
     """The context a Conversation gets without ``context=``: the planner's default (what
     ``open_budgeted`` plans memory for), or the model's own limit if that is smaller."""
@@ -249,6 +298,14 @@ def stop_message(stop: str, generated: int) -> str | None:
     if stop == "malformed":
         return "the model's answer is malformed; what it said was kept, marked interrupted"
     return "the turn failed; what the model said so far was kept, marked interrupted"
+
+
+def user_record(text: str, attachments: Sequence[Attachment] = ()) -> dict[str, Any]:
+    """A new user record: what was typed, and each attachment as the history keeps it."""
+    record: dict[str, Any] = {"role": "user", "content": text}
+    if attachments:
+        record["attachments"] = [a.to_record() for a in attachments]
+    return record
 
 
 def sampler_settings(
@@ -325,10 +382,13 @@ class Conversation:
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         stats_every: int = 8,
         sampler_factory: Callable[[SamplerSettings, int], _SamplerLike] = Sampler,
+        prefill_piece: int | None = None,  # tokens per engine call in a prefill; None: engine_prefill_piece
+        speculative: int = 0,
     ) -> None:
         tokenizer.engine_vocab_check(model.config.vocab)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        check_speculative(speculative)
         self.model = model
         self.tokenizer = tokenizer
         self.grammar = Grammar(tokenizer)
@@ -338,6 +398,8 @@ class Conversation:
         self.effort = effort
         self.sampler = sampler or SamplerSettings()
         self.max_tokens = max_tokens
+        # drafted tokens verified per engine pass (0: one token per pass); output never changes
+        self.speculative = speculative
         model_dir = getattr(model, "dir", None)
         # N_ctx is the session's capacity, allocated once: the plan's context, never more, so
         # the state can never outgrow the memory planned for it (no growth, no second copy).
@@ -356,6 +418,9 @@ class Conversation:
         self.max_snapshots = max(0, max_snapshots)
         self.stats_every = max(1, stats_every)
         self._sampler_factory = sampler_factory
+        if prefill_piece is not None and prefill_piece < 1:
+            raise ValueError(f"prefill_piece must be >= 1 token, got {prefill_piece}")
+        self.prefill_piece = prefill_piece if prefill_piece is not None else engine_prefill_piece(model)
         loaded = store.load(session_id)
         self._records: list[dict[str, Any]] = list(loaded.records)
         self.load_problems: list[str] = list(loaded.problems)
@@ -408,7 +473,8 @@ class Conversation:
 
     @property
     def pending_user(self) -> bool:
-        """The history ends with an unanswered user message (after a crash): respond()."""
+        """The history ends with an unanswered user message (after a crash, or a prefill that
+        was stopped): respond() answers it, reusing what a stopped prefill read."""
         return bool(self._records) and self._records[-1].get("role") == "user"
 
     @property
@@ -419,11 +485,13 @@ class Conversation:
     def cancel(self) -> None:
         """Stop the turn in flight after the step in flight (thread-safe; a signal handler may
         call it). The partial answer is kept and the state stays reusable. During a prefill
-        (or the state sync after a turn) the engine may abort between layers instead; that
-        costs a re-prefill next time, nothing else."""
+        the step is one piece of the prompt (prefill_piece tokens): the prefill stops at the
+        next piece boundary, no answer is stored and the state read so far is saved, so
+        respond() continues from there. During the state sync after a turn the engine may
+        abort between layers instead; that costs a re-prefill next time, nothing else."""
         self._cancel.set()
         flag = self._engine_cancel
-        if flag is not None and self._phase != "decode":
+        if flag is not None and self._phase not in ("decode", "prefill"):
             flag.set()
 
     def abort(self) -> None:
@@ -441,21 +509,23 @@ class Conversation:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
-    def prompt_ids(self, text: str | None = None) -> list[int]:
-        """The ids of the next prompt (with ``text`` as a new user message), for a context
-        meter or a check before sending. Raises ContextOverflow like send() would."""
-        records = self._records + ([{"role": "user", "content": text}] if text is not None else [])
+    def prompt_ids(self, text: str | None = None, attachments: Sequence[Attachment] = ()) -> list[int]:
+        """The ids of the next prompt (with ``text`` and ``attachments`` as a new user message),
+        for a context meter or a check before sending. Raises ContextOverflow like send() would."""
+        records = self._records + ([user_record(text, attachments)] if text is not None else [])
         prompt, _ = self._encode(records)
         self._check_fits(prompt)
         return prompt
 
-    def send(self, text: str, *, system: str | None = None, on_event: EventHandler = ignore) -> TurnResult | None:
-        """A new user message and its answer. An empty message is ignored (returns None).
+    def send(self, text: str, *, system: str | None = None, attachments: Sequence[Attachment] = (),
+             on_event: EventHandler = ignore) -> TurnResult | None:
+        """A new user message (``text`` with ``attachments``, see k3chat.attachments) and its
+        answer. An empty message without attachments is ignored (returns None).
 
         ``system`` starts an empty conversation with a system message; it is committed with
         the user message, after the overflow check, so a refused first turn leaves no trace.
         """
-        if text == "":
+        if text == "" and not attachments:
             return None
         if self.pending_user:
             self.store.check_idle(self.session_id)  # SessionBusy: that message is being answered elsewhere
@@ -465,7 +535,7 @@ class Conversation:
             if self._records:
                 raise ConversationError("a system message can only start a conversation")
             new.append({"role": "system", "content": system})
-        new.append({"role": "user", "content": text})
+        new.append(user_record(text, attachments))
 
         def commit() -> None:
             for record in new:
@@ -487,19 +557,38 @@ class Conversation:
         return self._turn(self._records[:keep], lambda: self._truncate(keep), on_event)
 
     def edit_last(self, text: str, *, on_event: EventHandler = ignore) -> TurnResult | None:
-        """Replace the last user message (and its answer) with ``text``, then answer it."""
+        """Replace the last user message (and its answer) with ``text``, then answer it. Its
+        attachments stay with it."""
         if text == "":
             return None
         last_user = max((i for i, r in enumerate(self._records) if r.get("role") == "user"), default=None)
         if last_user is None:
             raise ConversationError("there is no message to edit")
-        records = self._records[:last_user] + [{"role": "user", "content": text}]
+        edited = {"role": "user", "content": text}
+        if self._records[last_user].get("attachments"):
+            edited["attachments"] = self._records[last_user]["attachments"]
+        records = self._records[:last_user] + [edited]
 
         def commit() -> None:
             self._truncate(last_user)
-            self._append({"role": "user", "content": text})
+            self._append(dict(edited))
 
         return self._turn(records, commit, on_event)
+
+    def held_prompt(self) -> tuple[int, int, str | None] | None:
+        """For an unanswered last message (a prefill that was stopped): (tokens of its prompt
+        the saved state holds, the prompt's length, why a state file was refused or None),
+        with the engine brought to that state now, so respond() continues from it without
+        reading the file again. None when nothing is pending or the prompt does not fit."""
+        if not self.pending_user:
+            return None
+        try:
+            prompt = self.prompt_ids()
+        except ContextOverflow:
+            return None  # respond() says so, with the numbers
+        self._ensure_session()
+        reused, _source, note = self._position_at(prompt)
+        return reused, len(prompt), note
 
     def save_state_now(self) -> str | None:
         """Save the engine state for the stored history without computing anything, for a
@@ -514,7 +603,7 @@ class Conversation:
 
         if not self.state_files or self._session is None:
             return None
-        rendered = self._render_ids(self._records, False)
+        rendered = self._history_ids()
         live = self._live_usable() and bool(self._fed) and _is_prefix(self._fed or [], rendered)
         snaps = [s for s in self._snaps if _is_prefix(s.ids, rendered)]
         best = max(snaps, key=lambda s: len(s.ids), default=None)
@@ -553,9 +642,16 @@ class Conversation:
     # ------------------------------------------------------------------ prompts
 
     def _render_ids(self, records: Sequence[Mapping[str, Any]], generation: bool) -> list[int]:
-        segments = render(records, thinking=self.thinking, effort=self.effort if self.thinking else None,
+        # Attachments become text before the template sees them (k3chat.attachments).
+        segments = render([model_message(r) for r in records], thinking=self.thinking, effort=self.effort if self.thinking else None,
                           add_generation_prompt=generation)
         return encode(segments, self.tokenizer)
+
+    def _history_ids(self) -> list[int]:
+        """What a saved state must begin with: the stored history as the model reads it; for
+        an unanswered last message, the prompt that answers it (a stopped prefill may hold
+        part of its generation prompt)."""
+        return self._render_ids(self._records, self.pending_user)
 
     def _encode(self, records: Sequence[Mapping[str, Any]]) -> tuple[list[int], int]:
         """(P, |B|): the prompt, and the length of its part before the last user message
@@ -685,6 +781,20 @@ class Conversation:
         self._fed.extend(int(i) for i in ids)
         return logits
 
+    def _prefill(self, ids: Sequence[int], meter: PrefillMeter) -> Any:
+        """Feed a prompt tail in pieces of prefill_piece tokens, counted by ``meter``. A
+        cancel() seen between two pieces raises _PrefillStopped with the state intact (it
+        holds every piece fed); the output bits do not depend on the piece size."""
+        piece = self.prefill_piece or len(ids)
+        logits: Any = None
+        for start in range(0, len(ids), piece):
+            if self._cancel.is_set():
+                raise _PrefillStopped
+            part = ids[start:start + piece]
+            logits = self._feed(part, cancellable=True)
+            meter.advance(len(part))
+        return logits
+
     # ------------------------------------------------------------------ one turn
 
     def _turn(self, records: list[dict[str, Any]], commit: Callable[[], None], on_event: EventHandler) -> TurnResult:
@@ -728,22 +838,26 @@ class Conversation:
         emit(Prefill(len(prompt), reused, len(prompt) - reused, source))
         emit(PhaseChanged("prefill"))
         t0 = time.perf_counter()
+        meter = PrefillMeter(len(prompt) - reused, emit)
+        meter.start()
         try:
             # One snapshot per turn (the plan budgets one): the turn boundary, which makes
             # regenerate and edit-last cheap; with nothing before this message, the prompt
             # itself, so a state sync after the answer restarts there rather than at 0.
             at_boundary = False
-            if reused >= boundary - 1 and reused > 0:
+            # Past the boundary (a stopped prefill read part of this message), the snapshot
+            # waits for the whole prompt: a state sync then never re-reads the message.
+            if boundary - 1 <= reused <= boundary and reused > 0:
                 at_boundary = self._snapshot_here()  # this turn's start (the end of the last)
             elif boundary > reused:
-                self._feed(prompt[reused:boundary], cancellable=True)
+                self._prefill(prompt[reused:boundary], meter)
                 at_boundary = self._snapshot_here()
-            logits = self._feed(prompt[len(self._fed or []):], cancellable=True)
+            logits = self._prefill(prompt[len(self._fed or []):], meter)
             if not at_boundary:
                 self._snapshot_here()
-        except Cancelled:
+        except (_PrefillStopped, Cancelled):  # Cancelled: abort() stopped the piece in flight
             st.prefill_s = time.perf_counter() - t0
-            return self._finish(st, [], "cancelled", emit)
+            return self._prefill_stopped(st, meter, emit)
         except (EngineError, MemoryError) as exc:
             st.prefill_s = time.perf_counter() - t0
             raise self._failed(st, [], exc, emit) from exc
@@ -757,11 +871,18 @@ class Conversation:
         generated: list[int] = []
         self._phase = "decode"  # from here a first cancel() lets the step in flight finish
         stop = "cancelled" if self._cancel.is_set() else ""
+        # an engine that cannot verify in one pass decodes serially: the output is the same
+        verifies = isinstance(self._session, VerifyingSession)
+        spec = _speculator(self) if self.speculative > 0 and verifies else None
         t1 = time.perf_counter()
         try:
             while not stop:
                 token = int(sampler.sample(logits))
+                if not generated:
+                    st.first_token_s = time.perf_counter() - t0
                 generated.append(token)
+                if spec is not None:
+                    spec.sampled(token)
                 for channel, text in parser.push(token):
                     if channel == "content" and phase != "answer":
                         phase = "answer"
@@ -782,23 +903,34 @@ class Conversation:
                     # The step in flight completes on cancel(); only abort() sets the engine's
                     # flag during decoding, and then the step stops between layers.
                     try:
-                        logits = self._feed([token], cancellable=True)
+                        if spec is not None:
+                            logits = spec.next_logits(token, room=limit - len(generated))
+                        else:
+                            logits = self._feed([token], cancellable=True)
                     except Cancelled:
                         stop = "cancelled"  # the state is tainted; the text is kept below
                         break
                     st.decode_s = time.perf_counter() - t1
+                    if spec is not None:
+                        st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
                     if len(generated) % self.stats_every == 0:
                         self._emit_stats(st, len(generated), emit)
         except (EngineError, SamplerError, MemoryError) as exc:
             st.decode_s = time.perf_counter() - t1
+            _settle_quietly(spec, st)
             self._flush(parser, emit, phase)
             raise self._failed(st, generated, exc, emit) from exc
         except BaseException:
             # KeyboardInterrupt or a failing event handler: keep what was generated.
             st.decode_s = time.perf_counter() - t1
+            _settle_quietly(spec, st)
             self._save_quietly(st, generated)
             raise
+        if spec is not None:
+            spec.settle()  # the verified positions the sampler went through are fed; no more
+            st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
         st.decode_s = time.perf_counter() - t1
+        st.turn_s = time.perf_counter() - t0
         self._flush(parser, emit, phase)
         return self._finish(st, generated, stop, emit)
 
@@ -845,6 +977,11 @@ class Conversation:
             speed["prefill_tokens_per_second"] = round((st.prompt_tokens - st.reused) / st.prefill_s, 3)
         if st.decode_s > 0 and len(generated) > 1:
             speed["decode_tokens_per_second"] = round((len(generated) - 1) / st.decode_s, 3)
+        if generated and st.first_token_s > 0:
+            speed["first_token_seconds"] = round(st.first_token_s, 3)  # from the start of the prefill
+        turn_s = st.turn_s or st.prefill_s + st.decode_s  # a turn that failed has no end time of its own
+        if turn_s > 0:
+            speed["turn_seconds"] = round(turn_s, 3)  # prefill to the last sampled id
         if speed:
             rec["speed"] = speed
         return rec
@@ -867,6 +1004,7 @@ class Conversation:
             reuse_source=st.source, reuse_note=st.note, generated_ids=list(generated),
             prefill_seconds=st.prefill_s, decode_seconds=st.decode_s, seed=None if s.greedy else s.seed,
             greedy=s.greedy, saved=saved, engine=self._engine_stats(),
+            draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted,
         )
 
     def _finish(self, st: _TurnState, generated: list[int], stop: str, emit: EventHandler) -> TurnResult:
@@ -882,6 +1020,45 @@ class Conversation:
         emit(PhaseChanged("done"))
         emit(TurnDone(result))
         return result
+
+    def _prefill_stopped(self, st: _TurnState, meter: PrefillMeter, emit: EventHandler) -> TurnResult:
+        """Stopped while the prompt was read: no answer is stored, so the user message stays
+        unanswered (pending_user) and respond() answers it. The state up to the last piece
+        fed is saved (unless abort() tainted it), so that respond() feeds only the rest."""
+        meter.close()
+        s = st.settings
+        result = TurnResult(
+            session_id=self.session_id, turn=st.turn, record={}, reasoning=None, answer="", interrupted=True,
+            stop="cancelled", message=None, prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
+            prefilled_tokens=meter.done, reuse_source=st.source, reuse_note=st.note, generated_ids=[],
+            prefill_seconds=st.prefill_s, decode_seconds=0.0, seed=None if s.greedy else s.seed, greedy=s.greedy,
+            engine=self._engine_stats(), pending=True)
+        usable = self._live_usable() and bool(self._fed)
+        if self.state_files and usable and not self._aborted.is_set():
+            if self._saved_ids == self._fed:
+                result.state_saved = True  # nothing was read since the state file was written
+            else:
+                self._save_state(result, emit)
+        result.message = self._stopped_message(st.prompt_tokens, st.reused + meter.done, result.state_saved)
+        emit(Notice("cancelled", result.message))
+        emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused, prefilled_tokens=meter.done,
+                   generated_tokens=0, prefill_seconds=st.prefill_s, decode_seconds=0.0,
+                   context_used=self.context_used, context_limit=self.context, engine=result.engine))
+        emit(PhaseChanged("done"))
+        emit(TurnDone(result))
+        return result
+
+    def _stopped_message(self, prompt_tokens: int, held: int, state_saved: bool) -> str:
+        kept = "the message is kept, not yet answered"
+        if not held:
+            return f"stopped before any of the prompt was read; {kept}"
+        where = f"stopped while reading the prompt at token {held:,} of {prompt_tokens:,}; {kept}"
+        rest = f"answering it reads only the remaining {prompt_tokens - held:,} tokens"
+        if state_saved:
+            return f"{where}, and what was read is saved: {rest}"
+        if self._live_usable():
+            return f"{where}; {rest} while this session stays open"
+        return f"{where}; the step in flight was aborted, so answering it reads the prompt again"
 
     def _failed(self, st: _TurnState, generated: list[int], exc: BaseException, emit: EventHandler) -> TurnFailed:
         parsed, _, _ = self._parse(st, generated, "error")
@@ -981,7 +1158,8 @@ class Conversation:
         emit(Stats(prompt_tokens=st.prompt_tokens, reused_tokens=st.reused,
                    prefilled_tokens=st.prompt_tokens - st.reused, generated_tokens=n_generated,
                    prefill_seconds=st.prefill_s, decode_seconds=st.decode_s,
-                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats()))
+                   context_used=self.context_used, context_limit=self.context, engine=self._engine_stats(),
+                   draft_proposed=st.draft_proposed, draft_accepted=st.draft_accepted))
 
 
 @dataclass
@@ -997,11 +1175,54 @@ class _TurnState:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     reasoning_s: float = 0.0  # from the first sampled id to the start of the answer
+    first_token_s: float = 0.0  # from the start of the prefill to the first sampled id
+    turn_s: float = 0.0  # from the start of the prefill to the last sampled id
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
+from k3engine.limits import MAX_SPECULATIVE  # noqa: E402 - one definition (the planner's too)
+
+
+def check_speculative(n: object) -> int:
+    """A valid --speculative / config value (0 = off), else ValueError saying what is wrong."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be a whole number of drafted tokens from 0 (off) to "
+                         f"{MAX_SPECULATIVE}, got {n!r}")
+    return n
+
+
+def _settle_quietly(spec: Speculator | None, st: _TurnState) -> None:
+    """After a failed step: keep what the sampler went through; the failure is what counts."""
+    if spec is None:
+        return
+    try:
+        spec.settle()
+    except Exception as exc:  # the mirror is already marked unknown: the next turn prefills
+        log.warning("verified positions not accepted after a failure: %s", exc)
+    st.draft_proposed, st.draft_accepted = spec.proposed, spec.accepted
+
+
+def _speculator(conv: Conversation) -> Speculator:
+    """Speculative decoding for one turn of ``conv`` (see k3chat.speculative.Speculator)."""
+    session = conv._live
+    assert isinstance(session, VerifyingSession)
+
+    def fed(ids: Sequence[int]) -> None:
+        assert conv._fed is not None
+        conv._fed.extend(int(i) for i in ids)
+
+    def lost() -> None:
+        conv._fed = None
+
+    return Speculator(session, conv._fed or [], limit=conv.speculative, stop_ids=conv.grammar.end_ids,
+                      feed=lambda ids: conv._feed(ids, cancellable=True), fed=fed, lost=lost,
+                      cancel=conv._engine_cancel)
 
 
 __all__ = [
     "Conversation", "ConversationError", "ContextOverflow", "TurnFailed", "TurnResult",
-    "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings",
-    "STOPS", "stop_message",
+    "model_fingerprint_for", "model_max_positions", "state_path", "delete_state", "sampler_settings", "user_record",
+    "STOPS", "stop_message", "check_speculative", "MAX_SPECULATIVE",
     "Event",
 ]

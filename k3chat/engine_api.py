@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["EngineConfig", "EngineSession", "EngineModel", "CancelToken"]
+__all__ = ["EngineConfig", "EngineSession", "VerifyingSession", "EngineModel", "CancelToken"]
 
 
 class EngineConfig(Protocol):
@@ -54,6 +54,17 @@ class EngineSession(Protocol):
     def import_state(self, data: bytes) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class VerifyingSession(EngineSession, Protocol):
+    """A session that can verify drafted tokens in one pass (speculative decoding): ``verify``
+    returns every position's logits without advancing; ``accept(keep)`` then advances by the
+    first ``keep`` of them, exactly as feeding them would."""
+
+    def verify(self, ids: Sequence[int], *, cancel: Any = None) -> Any: ...  # -> float32 [n, V]
+
+    def accept(self, keep: int) -> None: ...
 
 
 @runtime_checkable

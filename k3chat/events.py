@@ -41,6 +41,27 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """The prefill so far: ``done`` of the ``total`` tokens this turn feeds (reused ones are
+    not counted), ``seconds`` after it started. Sent when it starts (0 done), then at most a
+    few times a second at chunk boundaries, and when it ends or stops."""
+
+    done: int
+    total: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.done / self.seconds if self.done > 0 and self.seconds > 0 else None
+
+    @property
+    def eta_seconds(self) -> float | None:
+        """The rest at the rate so far (None before the first chunk is done)."""
+        rate = self.tokens_per_second
+        return (self.total - self.done) / rate if rate else None
+
+
+@dataclass(frozen=True)
 class ReasoningToken:
     """Reasoning text that became displayable after a sampled id (may span several ids)."""
 
@@ -67,6 +88,12 @@ class Stats:
     context_used: int  # positions in the engine state now
     context_limit: int  # N_ctx
     engine: dict[str, int] = field(default_factory=dict)  # Model.stats()
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified this turn
+    draft_accepted: int = 0  # ... and sampled as drafted
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -95,7 +122,7 @@ class TurnDone:
     result: "TurnResult"
 
 
-Event = Union[PhaseChanged, Prefill, ReasoningToken, AnswerToken, Stats, Notice, TurnDone]
+Event = Union[PhaseChanged, Prefill, PrefillProgress, ReasoningToken, AnswerToken, Stats, Notice, TurnDone]
 EventHandler = Callable[[Event], Any]
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from k3chat import paths
+from k3chat.attachments import Attachment, attachments_problem, model_message
 from k3chat.display import for_terminal, json_safe
 from k3chat.safe_markdown import answer_markdown
 from k3chat.vault import (KIND_INDEX, KIND_SESSION, STATE_DECRYPTING, STATE_ON, SealError, Vault, has_sealed_line,
@@ -242,6 +243,10 @@ def record_problem(record: object) -> str | None:
             problem = _string_problem(key, value)
         elif key == "interrupted":
             problem = None if isinstance(value, bool) else "interrupted must be true or false"
+        elif key == "attachments":
+            problem = attachments_problem(value)
+            if problem is None and role != "user":
+                problem = f"attachments are only allowed on user records, not {role!r}"
         else:
             problem = _metadata_problem(key, value)
         if problem is None and key in ("reasoning_content", "interrupted", "stop") and role != "assistant":
@@ -879,7 +884,7 @@ class HistoryStore:
             if previous == record["role"] == "user" and dropped_at is not None:
                 warnings.append(f"record {number}: follows another user message once record {dropped_at} is "
                                 "left out; the peer's reader refuses two user messages in a row")
-            out = {"role": record["role"], "content": record["content"]}
+            out = {"role": record["role"], "content": model_message(record)["content"]}  # attachments as read
             if record["role"] == "assistant" and "reasoning_content" in record:
                 out["reasoning_content"] = record["reasoning_content"]
             lines.append(json_safe(json.dumps(out, ensure_ascii=False)))
@@ -1321,7 +1326,24 @@ def _markdown_record(record: Mapping[str, Any]) -> list[str]:
         out += ["> **Reasoning**", ">", *(f"> {line}".rstrip() for line in _fenced(reasoning)), ""]
     if record["role"] == "assistant":
         return out + answer_markdown(record["content"])  # rendered, but nothing in it can fetch
-    return out + _fenced(record["content"])  # what was typed, exactly as typed
+    return out + _fenced(record["content"]) + _markdown_attachments(record)  # what was typed, exactly as typed
+
+
+def _markdown_attachments(record: Mapping[str, Any]) -> list[str]:
+    """Each attachment set apart as a quote: name, kind, size, SHA-256 and notes (escaped),
+    then the text the model read as an inert fenced block."""
+    entries = record.get("attachments") or []
+    out: list[str] = []
+    for number, entry in enumerate(entries, start=1):
+        out += ["", f"> **Attachment {number} of {len(entries)}: {_md_inline(entry['name'])}** "
+                    f"({_md_inline(_kind_words(entry))}, {entry['size']:,} bytes, SHA\\-256 {entry['sha256']})"]
+        out += [f"> *{_md_inline(note)}*" for note in entry["notes"]]
+        out += [">", *(f"> {line}".rstrip() for line in _fenced(entry["text"]))]
+    return out
+
+
+def _kind_words(entry: Mapping[str, Any]) -> str:
+    return Attachment.from_record(entry).label
 
 
 _SPEAKERS = {"user": "You", "assistant": "K3", "system": "System"}
@@ -1337,7 +1359,18 @@ def _text_record(record: Mapping[str, Any]) -> list[str]:
     reasoning = record.get("reasoning_content")
     if reasoning:
         out += ["  Reasoning:", *(f"  \u2502 {line}".rstrip() for line in reasoning.split("\n")), ""]
-    return out + record["content"].split("\n")
+    return out + record["content"].split("\n") + _text_attachments(record)
+
+
+def _text_attachments(record: Mapping[str, Any]) -> list[str]:
+    entries = record.get("attachments") or []
+    out: list[str] = []
+    for number, entry in enumerate(entries, start=1):
+        out += ["", f"  Attachment {number} of {len(entries)}: {display_name(entry['name'])} ({_kind_words(entry)}, "
+                    f"{entry['size']:,} bytes, sha256 {entry['sha256']})"]
+        out += [f"  note: {note}" for note in entry["notes"]]
+        out += [f"  \u2502 {line}".rstrip() for line in entry["text"].split("\n")]
+    return out
 
 
 # --------------------------------------------------------------------------- wiping
@@ -1357,7 +1390,7 @@ def temp_copies(directory: Path, target: str) -> list[Path]:
         return []
     found = []
     for name in names:
-        m = paths._TEMP_RE.fullmatch(name)
+        m = paths.TEMP_RE.fullmatch(name)
         if m is not None and m["target"] == target:
             found.append(Path(directory) / name)
     return found

@@ -29,7 +29,14 @@ def main() -> int:
 
     # From here on KeyboardInterrupt is handled by the command (cli.main catches it too).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    return cli_main()
+    code = cli_main()
+    # The exit code is known and the command has put its handlers back: a signal in the last
+    # moments before exit must not turn it into a death by SIGINT (-2) or a traceback.
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -11,27 +11,30 @@ tests use it so they never touch the real home. POSIX only (the store relies on 
 
 from __future__ import annotations
 
-import errno
 import os
-import re
-import secrets
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 
 import platformdirs
-from k3engine.private_files import make_private_dirs
+
+# One private writer for the whole project, in k3engine (which cannot import k3chat);
+# re-exported here because the chat side names them paths.X.
+from k3engine.private_files import (  # noqa: F401
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    TEMP_RE,
+    UnsafePathError,
+    atomic_write,
+    fsync_dir,
+    make_private_dirs,
+    private_open,
+    temp_name,
+    write_all,
+)
 
 APP_NAME = "k3chat"
 HOME_ENV = "K3CHAT_HOME"
 CONFIG_FILENAME = "config.toml"
-
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
-
-
-class UnsafePathError(OSError):
-    """A path we must keep private is not ours or cannot be made private."""
 
 
 def _home_override() -> Path | None:
@@ -101,53 +104,6 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def private_open(path: Path, flags: int) -> int:
-    """``os.open`` for a file that must be 0600: created so, or tightened if it was looser.
-
-    Symlinks are refused (O_NOFOLLOW): nothing inside our private directories should point
-    elsewhere, and following one could write a conversation to a place others can read.
-    """
-    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user")
-        if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
-            os.fchmod(fd, PRIVATE_FILE_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte; os.write may write fewer than asked (signals, nearly full disks)."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:  # not expected from a regular file, but never loop forever
-            raise OSError(f"write returned {written}")
-        view = view[written:]
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable (the entry lives in the directory)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_TEMP_RE = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{12}\.tmp")
-
-
-def temp_name(path: Path) -> Path:
-    """A fresh temp path next to ``path``: ``.<name>.<pid>.<12 hex>.tmp`` (see sweep_temps)."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-
-
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -178,7 +134,7 @@ def sweep_temps(directory: Path, *, target: str | None = None, any_pid: bool = F
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
-        m = _TEMP_RE.fullmatch(entry.name)
+        m = TEMP_RE.fullmatch(entry.name)
         if m is None or (target is not None and m["target"] != target):
             continue
         if entry.is_dir(follow_symlinks=False):
@@ -193,40 +149,3 @@ def sweep_temps(directory: Path, *, target: str | None = None, any_pid: bool = F
             continue  # not ours to remove (e.g. a read-only mount): left for the next sweep
         removed.append(Path(entry.path))
     return removed
-
-
-def atomic_write(path: Path, data: bytes | Iterable[bytes], *, replace: bool = True) -> None:
-    """Replace ``path`` with ``data`` (bytes, or chunks to avoid copying a large payload).
-    With ``replace=False`` an existing ``path`` is never replaced: FileExistsError, even if
-    it appeared after the caller looked (the temp file is hard-linked into place).
-
-    Temp file in the same directory (O_EXCL, 0600) -> write -> fsync -> os.replace -> fsync
-    the directory. On any failure the temp file is removed and ``path`` is unchanged.
-    A directory ``path`` is refused before anything is created (its temp file would land in
-    the parent, and the replace would fail anyway).
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file name to write", str(path))
-    tmp = temp_name(path)
-    chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    fd = private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        try:
-            for chunk in chunks:
-                write_all(fd, chunk)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # EEXIST instead of a silent overwrite
-            os.unlink(tmp)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from k3chat.conversation import ConversationError, TurnFailed, TurnResult
+from k3chat.attachments import Attachment, model_message
+from k3chat.conversation import ConversationError, TurnFailed, TurnResult, user_record
 from k3chat.events import AnswerToken, EventHandler, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone, ignore
 from k3chat.history import HistoryStore
 from k3chat.runtime import EXIT_RUNTIME, EXIT_USAGE
@@ -259,7 +260,8 @@ def resolve_model(client: RemoteClient) -> str:
 
 
 def _message(record: Mapping[str, Any]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": record["role"], "content": record.get("content", "")}
+    # A user record's attachments go to the server rendered into its text, as the local model reads them.
+    msg: dict[str, Any] = {"role": record["role"], "content": model_message(record).get("content", "")}
     reasoning = record.get("reasoning_content")
     if record["role"] == "assistant" and reasoning:
         msg["reasoning_content"] = reasoning  # vLLM's field name; a template that keeps it reuses the prefix
@@ -348,9 +350,13 @@ class RemoteConversation:
 
     def __init__(self, client: RemoteClient, model: str, store: HistoryStore, session_id: str, *,
                  thinking: bool = True, effort: str | None = "max", sampler: SamplerSettings | None = None,
-                 max_tokens: int = 4096, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_tokens: int = 4096, clock: Callable[[], float] = time.perf_counter,
+                 speculative: int = 0) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if speculative:
+            raise ValueError("speculative decoding runs where the model runs: the remote server decodes on its own "
+                             "(on that machine: k3chat serve --speculative N); use speculative 0 here")
         self.client = client
         self.model_name = model
         self.store = store
@@ -409,8 +415,9 @@ class RemoteConversation:
     def close(self) -> None:
         pass  # the client belongs to whoever opened it
 
-    def send(self, text: str, *, system: str | None = None, on_event: EventHandler = ignore) -> TurnResult | None:
-        if text == "":
+    def send(self, text: str, *, system: str | None = None, attachments: Sequence[Attachment] = (),
+             on_event: EventHandler = ignore) -> TurnResult | None:
+        if text == "" and not attachments:
             return None
         if self.pending_user:
             self.store.check_idle(self.session_id)
@@ -420,7 +427,7 @@ class RemoteConversation:
             if self._records:
                 raise ConversationError("a system message can only start a conversation")
             new.append({"role": "system", "content": system})
-        new.append({"role": "user", "content": text})
+        new.append(user_record(text, attachments))
 
         def commit() -> None:
             for record in new:
@@ -445,11 +452,14 @@ class RemoteConversation:
         last_user = max((i for i, r in enumerate(self._records) if r.get("role") == "user"), default=None)
         if last_user is None:
             raise ConversationError("there is no message to edit")
-        records = self._records[:last_user] + [{"role": "user", "content": text}]
+        edited: dict[str, Any] = {"role": "user", "content": text}
+        if self._records[last_user].get("attachments"):  # its files stay with it, as Conversation.edit_last
+            edited["attachments"] = self._records[last_user]["attachments"]
+        records = self._records[:last_user] + [edited]
 
         def commit() -> None:
             self._truncate(last_user)
-            self._append({"role": "user", "content": text})
+            self._append(dict(edited))
 
         return self._turn(records, commit, on_event)
 
@@ -575,8 +585,14 @@ class RemoteConversation:
         prompt, cached, completion = self._counts(stream)
         rec["tokens"] = {"prompt": prompt, "reused": cached, "prefilled": prompt - cached, "generated": completion}
         prefill_s, decode_s = self._seconds(stream, started)
+        speed: dict[str, float] = {}
         if decode_s > 0 and completion > 1:
-            rec["speed"] = {"decode_tokens_per_second": round((completion - 1) / decode_s, 3)}
+            speed["decode_tokens_per_second"] = round((completion - 1) / decode_s, 3)
+        if stream.first_at is not None:  # as the local backend: first text, and the whole turn, seen from here
+            speed["first_token_seconds"] = round(prefill_s, 3)
+            speed["turn_seconds"] = round(prefill_s + decode_s, 3)
+        if speed:
+            rec["speed"] = speed
         return rec
 
     def _seconds(self, stream: _Stream, started: float) -> tuple[float, float]:

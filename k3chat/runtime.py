@@ -149,9 +149,15 @@ def thread_count(threads: int | None) -> int:
     return min(threads or os.cpu_count() or 1, MAX_THREADS)
 
 
+# Below this hidden width the default is one thread: waking a second one for each small matrix
+# costs more than its share (the demo, hidden 256, decoded 505 tok/s on 1 thread and 74 on 2
+# here). Output bits never depend on the thread count; --threads N still wins.
+SMALL_MODEL_HIDDEN = 1024
+
+
 def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int | None = None,
                lookahead: int | None = None, scalar: bool = False, tokenizer: bool = True,
-               progress: Progress | None = None) -> OpenedModel:
+               progress: Progress | None = None, speculative: int = 0) -> OpenedModel:
     """Plan ``memory`` for ``context`` positions, open the model under that plan and (unless
     ``tokenizer`` is False) its tokenizer; every failure is a Failure with its exit code."""
     from k3engine.budgeted import open_budgeted
@@ -162,12 +168,15 @@ def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int
         progress(f"Planning memory ({memory}) and opening {model_dir}")
     try:
         opened = open_budgeted(model_dir, memory=memory, context=context, lookahead=lookahead,
-                               threads=n_threads, scalar=scalar)
+                               threads=n_threads, scalar=scalar, speculative=speculative)
     except BaseException as exc:
         failure = _open_failure(model_dir, exc)
         if failure is None:
             raise
         raise failure from exc
+    if threads is None and n_threads > 1 and opened.model.config.hidden < SMALL_MODEL_HIDDEN:
+        opened.model.set_threads(1)
+        n_threads = 1
     tok = None
     if tokenizer:
         if progress is not None:
@@ -299,6 +308,7 @@ class SignalStops:
     def __init__(self, policy: StopPolicy | None = None, *, what: str = "generated") -> None:
         self.policy = policy or StopPolicy(exit_now=self._exit_now)
         self.what = what
+        self.step = "the current step"  # what the first request lets finish (a front-end may say more)
         self._old: dict[int, Any] = {}
 
     @property
@@ -327,7 +337,7 @@ class SignalStops:
             raise KeyboardInterrupt
         level = policy.request()
         if level == AFTER_STEP:
-            self._write(f"\nk3chat: stopping after the current step and saving what was {self.what} "
+            self._write(f"\nk3chat: stopping after {self.step} and saving what was {self.what} "
                         "(Ctrl-C again to abort the step)\n")
         elif level == ABORT_STEP:
             self._write(f"\nk3chat: aborting the current step; saving what was {self.what} "

@@ -1,4 +1,5 @@
-"""Search across every session, in what was said and in the model's reasoning.
+"""Search across every session, in what was said, in the model's reasoning and in the text of
+attached files.
 
 One implementation for `k3chat sessions search TEXT` and the app's session browser. Matching
 is case-insensitive on the text as stored (an encrypted history is read through its vault,
@@ -26,10 +27,11 @@ class Hit:
     session: SessionInfo
     record: int  # 1-based position of the record in the conversation
     role: str
-    field: str  # "content" or "reasoning_content"
+    field: str  # "content", "reasoning_content" or "attachment"
     before: str
     match: str
     after: str
+    attachment: str | None = None  # the attached file's name, for a match inside its text
 
     @property
     def snippet(self) -> str:
@@ -38,14 +40,16 @@ class Hit:
     @property
     def where(self) -> str:
         """Who said it, in words: "your message 3", "K3's reasoning 4" ..."""
+        if self.attachment is not None:
+            return f"attachment {for_terminal(self.attachment)}, message {self.record}"
         if self.role == "assistant":
             return f"{'reasoning' if self.field == 'reasoning_content' else 'answer'}, message {self.record}"
         return f"{'your message' if self.role == 'user' else 'system message'} {self.record}"
 
     def to_json(self) -> dict[str, Any]:
         return {"session": self.session.id, "name": self.session.name, "record": self.record, "role": self.role,
-                "field": self.field, "snippet": self.snippet, "match_start": len(self.before),
-                "match_end": len(self.before) + len(self.match)}
+                "field": self.field, "attachment": self.attachment, "snippet": self.snippet,
+                "match_start": len(self.before), "match_end": len(self.before) + len(self.match)}
 
 
 @dataclass
@@ -83,6 +87,9 @@ def record_hits(info: SessionInfo, records: Iterable[Mapping[str, Any]], needle:
             if isinstance(value, str) and value:
                 for m in needle.finditer(value):
                     yield _hit(info, number, str(record.get("role")), field, value, m)
+        for entry in record.get("attachments") or ():  # the text the model read for each file
+            for m in needle.finditer(entry["text"]):
+                yield _hit(info, number, str(record.get("role")), "attachment", entry["text"], m, entry["name"])
 
 
 def _limited(hits: Iterable[Hit], limit: int | None) -> Iterable[Hit]:
@@ -92,13 +99,14 @@ def _limited(hits: Iterable[Hit], limit: int | None) -> Iterable[Hit]:
         yield hit
 
 
-def _hit(info: SessionInfo, number: int, role: str, field: str, value: str, m: re.Match[str]) -> Hit:
+def _hit(info: SessionInfo, number: int, role: str, field: str, value: str, m: re.Match[str],
+         attachment: str | None = None) -> Hit:
     start, end = m.span()
     lead = max(0, start - SNIPPET_CONTEXT)
     tail = min(len(value), end + SNIPPET_CONTEXT)
     before = ("\u2026" if lead else "") + _one_line(value[lead:start])
     after = _one_line(value[end:tail]) + ("\u2026" if tail < len(value) else "")
-    return Hit(info, number, role, field, before, _one_line(m.group()), after)
+    return Hit(info, number, role, field, before, _one_line(m.group()), after, attachment)
 
 
 def _one_line(text: str) -> str:

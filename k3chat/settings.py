@@ -5,7 +5,9 @@ Example (every key optional)::
     model = "~/models/kimi-k3"
     memory = "12G"            # a size (K/M/G/T), "auto", or a preset name
     max_tokens = 4096         # per-turn generation limit G (spec 5.2)
+    speculative = 0           # drafted tokens verified per pass (0 = off); output is the same
     theme = "default"
+    vim_keys = false          # the app: j/k, g/G move between blocks of the transcript
     remote = "https://k3.example:8000"   # an OpenAI-compatible server instead of the local model
     remote_model = "kimi-k3"             # omit for the server's first model
     api_key_file = "~/.config/k3chat/api-key"  # else K3CHAT_API_KEY; never stored in history
@@ -82,8 +84,10 @@ class Settings:
     top_k: int = 0
     seed: int | None = None  # None: a random u64 per conversation, shown and stored
     max_tokens: int = 4096
+    speculative: int = 0  # exact speculative decoding: drafted tokens per verify pass, 0 = off
     theme: str = "default"
     reasoning_display: str = "auto"
+    vim_keys: bool = False  # the app's j/k, g/G in the transcript (never while typing)
     keys: dict[str, str] = field(default_factory=dict)
     remote: str | None = None  # the API base of a remote server (k3chat.remote), normalised
     remote_model: str | None = None
@@ -210,6 +214,16 @@ def _max_tokens(value: object) -> int:
     return n
 
 
+from k3engine.limits import MAX_SPECULATIVE  # noqa: E402 - one definition for every front-end
+
+
+def _speculative(value: object) -> int:
+    n = _integer(value)
+    if not 0 <= n <= MAX_SPECULATIVE:
+        raise ValueError(f"must be a number of drafted tokens from 0 (off) to {MAX_SPECULATIVE}, got {value}")
+    return n
+
+
 def _theme(value: object) -> str:
     if not _NAME_RE.fullmatch(_string(value)):
         raise ValueError(f"must be a theme name (letters, digits, - and _), got {value!r}")
@@ -235,7 +249,9 @@ _TOML_KEYS: dict[str, tuple[str, Callable[[object], Any]]] = {
     "model": ("model", _model),
     "memory": ("memory", _memory),
     "max_tokens": ("max_tokens", _max_tokens),
+    "speculative": ("speculative", _speculative),
     "theme": ("theme", _theme),
+    "vim_keys": ("vim_keys", _boolean),
     "remote": ("remote", _remote),
     "remote_model": ("remote_model", _remote_model),
     "api_key_file": ("api_key_file", _key_file),
@@ -418,7 +434,7 @@ def _coerce(name: str, value: object) -> object:
     try:
         if check in (_temperature, _top_p):
             return float(value)
-        if check in (_top_k, _seed, _max_tokens):
+        if check in (_top_k, _seed, _max_tokens, _speculative):
             return int(value, 10)
     except ValueError:
         raise ValueError(f"expected a number, got {value!r}") from None

@@ -455,6 +455,7 @@ class StreamParser:
         self._g = grammar
         self._channel = "reasoning" if thinking else "content"
         self._dec = self._decoder()
+        self.closed = False  # True once CLOSURE itself was seen (not a lenient cut)
 
     def _decoder(self) -> IncrementalDecoder:
         seq = self._g.boundary if self._channel == "reasoning" else self._g.closure
@@ -484,6 +485,7 @@ class StreamParser:
             self._dec = self._decoder()
         else:
             self._channel = "done"
+            self.closed = True
         return events
 
     def _stop(self) -> list[tuple[str, str]]:

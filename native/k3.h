@@ -73,7 +73,8 @@ typedef struct k3_tensor_desc {
 typedef struct k3_open_opts {
     uint64_t expert_cache_bytes; /* 0: no limit (a slot for every expert) */
     int32_t reader_threads;      /* expert reader threads, 0 -> 2 */
-    int32_t direct_io;           /* 1: try O_DIRECT (falls back to buffered, reported) */
+    int32_t direct_io;           /* 1: try uncached reads, k3_direct_io_kind() (falls back
+                                  * to buffered, reported) */
     int32_t lookahead;           /* experts per token prefetched for the next layer; 0 off */
     int32_t prefetch;            /* 1: a layer's misses are read at once by the readers;
                                   * 0: read one by one on the compute thread */
@@ -84,6 +85,14 @@ typedef struct k3_open_opts {
     int32_t prefill_chunk;       /* tokens per prefill pass (each distinct expert is read
                                   * at most once per pass); 0 -> 64.  Output bits never
                                   * depend on it. */
+    int32_t head_block_rows;     /* 0: lm_head held.  > 0: lm_head not held; each pass that
+                                  * wants logits reads it from the shard in blocks of this
+                                  * many rows into one buffer, applied block by block (every
+                                  * logit is the same row dot product: same bits). */
+    int32_t ffn_split;           /* 1: a streamed dense layer's FFN comes through the ring
+                                  * one matrix per unit (gate, up, down), so a slot needs
+                                  * only its largest matrix; same kernels in the same order,
+                                  * same bits.  0: the three matrices are one unit. */
 } k3_open_opts;
 
 typedef struct k3_stats {
@@ -104,9 +113,11 @@ typedef struct k3_stats {
     uint64_t lookahead_wasted;      /* ... evicted unused */
     uint64_t io_wait_ns;            /* compute thread waiting for expert or trunk bytes */
     uint64_t trunk_stream_reads;    /* streamed layer loads */
-    uint64_t direct_io;             /* 1 if O_DIRECT reads are in use */
-    uint64_t direct_io_refused;     /* 1 if O_DIRECT was asked for and refused */
+    uint64_t direct_io;             /* 1 if uncached (O_DIRECT, F_NOCACHE) reads are in use */
+    uint64_t direct_io_refused;     /* 1 if they were asked for and refused */
     uint64_t expert_slots;          /* cache capacity in experts */
+    uint64_t head_bytes_read;       /* lm_head blocks read (head_block_rows > 0); also in
+                                     * trunk_bytes_read */
 } k3_stats;
 
 typedef struct k3_model k3_model;
@@ -126,7 +137,9 @@ int k3_model_set_scalar(k3_model *m, int32_t on);
 int32_t k3_model_simd_active(const k3_model *m);
 int k3_model_stats(const k3_model *m, k3_stats *out);
 /* Test hook: the next read of (layer, expert) fails with EIO (expert -1: that layer's
- * streamed trunk; -2: any expert of that layer).  kind 0 clears. */
+ * streamed trunk; -2: any expert of that layer; -3: the next streamed lm_head block,
+ * layer ignored; -4: that layer's split FFN down matrix, the unit after gate and up).
+ * kind 0 clears. */
 int k3_model_inject_fault(k3_model *m, int32_t layer, int32_t expert, int32_t kind);
 /* Stateless full forward over ids[0..n): logits_all gets n*V floats.
  * shared_kda_slot = 1 uses one KDA state slot re-zeroed before each KDA layer. */
@@ -148,6 +161,17 @@ int32_t k3_session_ids(const k3_session *s, int32_t *out, int32_t cap);
  * (n*V floats) may each be NULL.  cancel, if not NULL, is polled between layers. */
 int k3_session_feed(k3_session *s, const int32_t *ids, int32_t n, float *logits_last,
                     float *logits_all, const volatile int32_t *cancel);
+
+/* Speculative decoding.  k3_session_verify computes ids[0..n) at positions length.. in one
+ * pass (logits_all gets n*V floats) without advancing the session; k3_session_accept(s, keep)
+ * then advances it by the first keep of them (0..n), bit for bit as feeding them would.  Any
+ * other feed, a reset, an import or a restore drops a pending verify.  A failed or cancelled
+ * verify leaves the session as it was (never tainted). */
+int k3_session_verify(k3_session *s, const int32_t *ids, int32_t n, float *logits_all,
+                      const volatile int32_t *cancel);
+int k3_session_accept(k3_session *s, int32_t keep);
+/* Bytes of the verify record a session allocates for n positions (the planner counts it). */
+uint64_t k3_verify_bytes(const k3_model *m, int32_t n);
 
 /* Whole state as bytes (layout in k3_state.c): ids, KDA S and conv histories, MLA rows. */
 int k3_session_state_size(const k3_session *s, uint64_t *size);
@@ -172,5 +196,11 @@ int64_t k3_kernel_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, int
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads);
 int32_t k3_cpu_has_avx2(void);
+/* The SIMD kernels this build runs when SIMD is on: "avx2", "neon" or "none" (every
+ * path gives the scalar path's bits). */
+const char *k3_simd_kind(void);
+/* How direct_io reads bypass the page cache here: "O_DIRECT" (Linux), "F_NOCACHE"
+ * (macOS) or "none" (buffered only). */
+const char *k3_direct_io_kind(void);
 
 #endif

@@ -16,6 +16,7 @@ struct k3_session {
     int tainted;
     k3_snap *snaps;
     int n_snaps;
+    kd_draft draft; /* the pending verify feed, if any (speculative decoding) */
     char err[K3_ERRLEN];
 };
 
@@ -91,6 +92,7 @@ void k3_session_free(k3_session *s) {
     if (!s) return;
     for (int i = 0; i < s->n_snaps; i++) free(s->snaps[i].buf);
     free(s->snaps);
+    kd_draft_free(&s->draft);
     ks_free(&s->st);
     free(s);
 }
@@ -98,6 +100,7 @@ void k3_session_free(k3_session *s) {
 const char *k3_session_error(const k3_session *s) { return s ? s->err : "no session"; }
 
 int k3_session_reset(k3_session *s) {
+    s->draft.n = 0;
     ks_zero(s->m, &s->st);
     s->tainted = 0;
     return K3_OK;
@@ -122,11 +125,54 @@ int k3_session_feed(k3_session *s, const int32_t *ids, int32_t n, float *logits_
     /* refused before the state is touched: the session stays usable in its own process */
     if (km_check_owner(s->m, s->err, sizeof s->err) != K3_OK) return K3_ERR_RUNTIME;
     int32_t before = s->st.len;
+    s->draft.n = 0; /* rows past the length are overwritten: nothing left to accept */
     int rc = km_forward(s->m, &s->st, ids, n, logits_last, logits_all, cancel, s->err, sizeof s->err);
     /* a failure after the state was touched leaves it unusable; argument errors don't */
     if (rc != K3_OK && rc != K3_ERR_INVALID) s->tainted = 1;
     if (rc == K3_ERR_INVALID && s->st.len != before) s->tainted = 1;
     return rc;
+}
+
+int k3_session_verify(k3_session *s, const int32_t *ids, int32_t n, float *logits_all,
+                      const volatile int32_t *cancel) {
+    s->draft.n = 0;
+    if (s->tainted) {
+        km_set_err(s->err, sizeof s->err, "session state is unusable after a failed step; reset or restore a snapshot");
+        return K3_ERR_RUNTIME;
+    }
+    if (km_check_owner(s->m, s->err, sizeof s->err) != K3_OK) return K3_ERR_RUNTIME;
+    if (n < 1 || !logits_all) {
+        km_set_err(s->err, sizeof s->err, "a verify feed needs at least one id and a buffer for every position's logits");
+        return K3_ERR_INVALID;
+    }
+    if (kd_draft_reserve(s->m, &s->draft, n) != K3_OK) {
+        km_set_err(s->err, sizeof s->err, "out of memory for the verify record of %d positions", n);
+        return K3_ERR_NOMEM;
+    }
+    /* the session's own state is not written: a failure or a cancel leaves it usable */
+    return km_verify(s->m, &s->st, &s->draft, ids, n, logits_all, cancel, s->err, sizeof s->err);
+}
+
+int k3_session_accept(k3_session *s, int32_t keep) {
+    int32_t n = s->draft.n;
+    if (n == 0) {
+        km_set_err(s->err, sizeof s->err, "no verify feed to accept positions from");
+        return K3_ERR_INVALID;
+    }
+    if (keep < 0 || keep > n) {
+        km_set_err(s->err, sizeof s->err, "can accept 0..%d verified positions, got %d", n, keep);
+        return K3_ERR_INVALID;
+    }
+    kda_accept(s->m, &s->st, &s->draft, keep);
+    memcpy(s->st.ids + s->st.len, s->draft.ids, sizeof(int32_t) * (size_t)keep);
+    s->st.len += keep; /* MLA rows of the kept positions were written by the verify feed */
+    __atomic_add_fetch(&s->m->stats.tokens_fed, (uint64_t)keep, __ATOMIC_RELAXED);
+    s->draft.n = 0;
+    return K3_OK;
+}
+
+uint64_t k3_verify_bytes(const k3_model *m, int32_t n) {
+    return n < 1 ? 0 : 4ull * kd_draft_floats(m, n) + 4ull * (uint64_t)n;
 }
 
 int k3_session_state_size(const k3_session *s, uint64_t *size) {
@@ -145,6 +191,7 @@ int k3_session_export(const k3_session *s, void *buf, uint64_t size) {
 }
 
 int k3_session_import(k3_session *s, const void *buf, uint64_t size) {
+    s->draft.n = 0;
     int rc = ks_import(s->m, &s->st, buf, size, s->err, sizeof s->err);
     if (rc == K3_OK) s->tainted = 0;
     return rc;
@@ -202,7 +249,7 @@ int k3_session_snapshot_drop(k3_session *s, int32_t snap_id) {
 int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
                         const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads) {
     if (rows < 1 || cols < 32 || cols % 32 || ntok < 1) return -1;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_avx2()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
     uint64_t nan = 0;
     kk_mxfp4_matmul(&c, packed, scales, rows, cols, x, cols, ntok, y, rows, &nan);
     return (int64_t)nan;
@@ -211,7 +258,7 @@ int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t ro
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads) {
     if (rows < 1 || cols < 1 || ntok < 1) return K3_ERR_INVALID;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_avx2()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
     kk_mat m = {w, K3_DT_BF16, rows, cols};
     kk_matmul(&c, &m, x, cols, ntok, y, rows);
     return K3_OK;

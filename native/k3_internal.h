@@ -31,10 +31,12 @@ typedef struct kk_mat {
 
 typedef struct kk_ctx {
     int nthreads;
-    int simd; /* 1: AVX2 kernels (same bits as scalar) */
+    int simd; /* 1: SIMD kernels, AVX2 or NEON (same bits as scalar) */
 } kk_ctx;
 
 int kk_cpu_has_avx2(void);
+/* 1 when this build has SIMD kernels the CPU can run (AVX2+FMA on x86-64, NEON on AArch64). */
+int kk_cpu_has_simd(void);
 /* Dot product with the engine's one reduction order (8 double lanes, fixed tree),
  * rounded once to float (kk_dot) or kept in double (kk_dot_d). */
 float kk_dot(const float *a, const float *b, int n, int simd);
@@ -108,7 +110,8 @@ typedef struct kr_read {
     uint64_t off, len, slot_off;
 } kr_read;
 
-/* A streaming unit: the attention matrices or the FFN matrices of one layer. */
+/* A streaming unit: the attention matrices or the FFN matrices of one layer; with
+ * ffn_split a dense layer's FFN is three units, one matrix each, in the order it uses them. */
 typedef struct kr_unit {
     kr_entry *e;
     int n, cap;
@@ -117,7 +120,8 @@ typedef struct kr_unit {
     uint64_t bytes;        /* slot bytes this unit needs */
 } kr_unit;
 
-enum { KR_ATTN = 0, KR_FFN = 1 };
+/* KR_FFN is the whole FFN, or the gate matrix when the layer's FFN is split */
+enum { KR_ATTN = 0, KR_FFN = 1, KR_FFN_UP = 2, KR_FFN_DOWN = 3, KR_UNITS = 4 };
 
 typedef struct kr_ring kr_ring;
 int kr_ring_create(k3_model *m, char *err, size_t errlen);
@@ -151,7 +155,8 @@ typedef struct km_layer {
     float *router_bias, *lat_norm;
     kx_expert_loc *experts; /* [n_experts] */
     int streamed;           /* matrices come through the trunk ring */
-    kr_unit su[2];          /* KR_ATTN, KR_FFN */
+    int ffn_split;          /* streamed dense FFN: units KR_FFN (gate), KR_FFN_UP, KR_FFN_DOWN */
+    kr_unit su[KR_UNITS];   /* KR_ATTN, KR_FFN, and with ffn_split KR_FFN_UP, KR_FFN_DOWN */
 } km_layer;
 
 struct k3_model {
@@ -163,6 +168,8 @@ struct k3_model {
     kk_mat embed, lm_head;
     int32_t embed_shard;    /* embedding rows read on demand when embed.data is NULL */
     uint64_t embed_off;
+    int32_t head_shard;     /* lm_head read in row blocks per pass when lm_head.data is NULL */
+    uint64_t head_off;
     float *final_norm, *out_res_u;
     void **allocs; /* every buffer owned by the model */
     int n_allocs, cap_allocs;
@@ -198,15 +205,44 @@ void ks_export(const k3_model *m, const ks_state *st, void *buf);
 int ks_import(const k3_model *m, ks_state *st, const void *buf, uint64_t size, char *err,
               size_t errlen);
 
+/* What a verify feed keeps so that any prefix of it can be accepted (speculative decoding).
+ * During the feed, each KDA layer runs on scratch copies of its state and conv history, so
+ * the session's own KDA state stays at the pre-feed position; accepting m positions replays
+ * the recurrence for those m from the per-position vectors kept here (no weight is read
+ * again).  MLA rows and ids are written past st->len and kept or dropped by length. */
+typedef struct kd_draft {
+    int32_t cap;       /* positions each record holds */
+    int32_t n;         /* positions of the pending verify feed; 0: nothing to accept */
+    int32_t *ids;      /* [cap] */
+    float *work_s;     /* one KDA layer's state, scratch [H_k * D * D] */
+    float *work_conv;  /* [3 * P * (K-1)] */
+    float **pre;       /* per KDA layer [cap][3P]: q, k, v before the conv */
+    float **post;      /* per KDA layer [cap][3P + H_k]: k, v after the conv, decay z, beta */
+    int n_layers;      /* entries of pre/post allocated */
+} kd_draft;
+
+/* Floats of a verify record for `cap` positions (the planner counts the same). */
+size_t kd_draft_floats(const k3_model *m, int32_t cap);
+int kd_draft_reserve(const k3_model *m, kd_draft *d, int32_t cap);
+void kd_draft_free(kd_draft *d);
+/* Advance the session's KDA state and conv histories by the first `keep` positions of the
+ * pending feed: the same per-token arithmetic the feed ran, so bits equal a serial feed. */
+void kda_accept(const k3_model *m, ks_state *st, const kd_draft *d, int keep);
+
 /* Forward of ids at positions st->len.. ; writes logits; advances st->len on success. */
 int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
                float *logits_all, const volatile int32_t *cancel, char *err, size_t errlen);
+/* One pass over ids at positions st->len.. that leaves st untouched (see kd_draft): the
+ * logits of every position in logits_all; d->n = n on success. */
+int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n, float *logits_all,
+              const volatile int32_t *cancel, char *err, size_t errlen);
 
 void km_kk_ctx(const k3_model *m, kk_ctx *c);
 
 /* sublayers (each processes ntok tokens of one sequence, in order) */
+/* draft: NULL, or a verify feed's record (S and conv are then read, never written) */
 void kda_forward(const k3_model *m, const km_layer *ly, float *S, float *conv, const float *xn,
-                 int ntok, float *out, float *scratch);
+                 int ntok, float *out, float *scratch, kd_draft *draft);
 size_t kda_scratch_floats(const k3_config *c, int ntok);
 int mla_forward(const k3_model *m, const km_layer *ly, float *rows, int pos0, const float *xn,
                 int ntok, float *out, float *scratch);
@@ -217,6 +253,10 @@ size_t moe_scratch_floats(const k3_config *c, int ntok);
 void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int ntok, float *out,
                    float *scratch);
 size_t dense_scratch_floats(const k3_config *c, int ntok);
+/* dense_forward for a layer whose FFN is split: acquires and releases each matrix's unit
+ * around the matmul that uses it (same arithmetic as dense_forward). */
+int dense_forward_split(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok,
+                        float *out, float *scratch, char *err, size_t errlen);
 
 /* time in ns (monotonic) */
 uint64_t km_now_ns(void);

@@ -6,7 +6,7 @@
  * floats is exact in double, so only the adds round, and they round 2^29 times finer
  * than float lanes would (logits come out float64-close).  The sum is rounded to float
  * once, at the end.  -ffp-contract=off keeps multiplies and adds apart, so the AVX2
- * path gives the scalar path's bits.
+ * path (x86-64) and the NEON path (AArch64) give the scalar path's bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -20,6 +20,14 @@
 /* FMA on doubles gives mul-then-add bits here: the product of two floats is exact in
  * double, so the fused op rounds once, where the separate add would. */
 #define K3_AVX2 __attribute__((target("avx2,fma")))
+#elif defined(__aarch64__)
+/* Advanced SIMD with float64 lanes is part of every AArch64 CPU: no flags, no runtime
+ * check.  (32-bit ARM NEON has no double lanes and flushes subnormals: scalar there.) */
+#define K3_NEON 1
+#include <arm_neon.h>
+#endif
+#if defined(K3_X86) || defined(K3_NEON)
+#define K3_SIMD 1
 #endif
 
 float kk_bf16_to_f32(uint16_t v) {
@@ -184,8 +192,136 @@ K3_AVX2 static double kk_dot_bf16_xd_avx2(const uint16_t *w, const double *xd, i
     }
     return kk_hsum_tree(acc);
 }
+
+int kk_cpu_has_simd(void) { return kk_cpu_has_avx2(); }
+const char *k3_simd_kind(void) { return kk_cpu_has_avx2() ? "avx2" : "none"; }
+#define kk_dot_simd kk_dot_avx2
+#define kk_dot_bf16_simd kk_dot_bf16_avx2
+#define kk_dot_xd_simd kk_dot_xd_avx2
+#define kk_dot_bf16_xd_simd kk_dot_bf16_xd_avx2
+#elif defined(K3_NEON)
+int kk_cpu_has_avx2(void) { return 0; }
+int kk_cpu_has_simd(void) { return 1; }
+const char *k3_simd_kind(void) { return "neon"; }
+
+/* The 8 double lanes live in four registers: q[k] holds lanes 2k and 2k+1. */
+typedef struct {
+    float64x2_t q[4];
+} kk_lanes;
+
+static inline kk_lanes kk_lanes_zero(void) {
+    kk_lanes a;
+    for (int k = 0; k < 4; k++) a.q[k] = vdupq_n_f64(0.0);
+    return a;
+}
+
+/* lanes += w * x for 8 floats each (w0, x0: lanes 0..3; w1, x1: lanes 4..7).  As on
+ * x86, the fused op gives mul-then-add bits: a product of two floats is exact in double. */
+static inline void kk_lanes_madd(kk_lanes *a, float32x4_t w0, float32x4_t w1, float32x4_t x0,
+                                 float32x4_t x1) {
+    a->q[0] = vfmaq_f64(a->q[0], vcvt_f64_f32(vget_low_f32(w0)), vcvt_f64_f32(vget_low_f32(x0)));
+    a->q[1] = vfmaq_f64(a->q[1], vcvt_high_f64_f32(w0), vcvt_high_f64_f32(x0));
+    a->q[2] = vfmaq_f64(a->q[2], vcvt_f64_f32(vget_low_f32(w1)), vcvt_f64_f32(vget_low_f32(x1)));
+    a->q[3] = vfmaq_f64(a->q[3], vcvt_high_f64_f32(w1), vcvt_high_f64_f32(x1));
+}
+
+/* The same with x already widened (xd: 8 doubles), as kk_lanes_madd_xd on x86. */
+static inline void kk_lanes_madd_xd(kk_lanes *a, float32x4_t w0, float32x4_t w1, const double *xd) {
+    a->q[0] = vfmaq_f64(a->q[0], vcvt_f64_f32(vget_low_f32(w0)), vld1q_f64(xd));
+    a->q[1] = vfmaq_f64(a->q[1], vcvt_high_f64_f32(w0), vld1q_f64(xd + 2));
+    a->q[2] = vfmaq_f64(a->q[2], vcvt_f64_f32(vget_low_f32(w1)), vld1q_f64(xd + 4));
+    a->q[3] = vfmaq_f64(a->q[3], vcvt_high_f64_f32(w1), vld1q_f64(xd + 6));
+}
+
+static double kk_hsum_tree(kk_lanes a) {
+    /* Same tree as kk_tree: lanes k and k+4 first, then the pairs, then the last add. */
+    float64x2_t s01 = vaddq_f64(a.q[0], a.q[2]); /* a0+a4, a1+a5 */
+    float64x2_t s23 = vaddq_f64(a.q[1], a.q[3]); /* a2+a6, a3+a7 */
+    float64x2_t t = vaddq_f64(s01, s23);         /* (a0+a4)+(a2+a6), (a1+a5)+(a3+a7) */
+    return vgetq_lane_f64(t, 0) + vgetq_lane_f64(t, 1);
+}
+
+static void kk_lanes_store(kk_lanes a, double out[8]) {
+    for (int k = 0; k < 4; k++) vst1q_f64(out + 2 * k, a.q[k]);
+}
+
+/* 8 BF16 weights widened exactly to floats (the 16 bits go on top, as kk_bf16_to_f32). */
+static inline void kk_bf16x8_neon(const uint16_t *w, float32x4_t *w0, float32x4_t *w1) {
+    uint16x8_t h = vld1q_u16(w);
+    *w0 = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+    *w1 = vreinterpretq_f32_u32(vshll_high_n_u16(h, 16));
+}
+
+static double kk_dot_neon(const float *x, const float *y, int n) {
+    kk_lanes acc = kk_lanes_zero();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8)
+        kk_lanes_madd(&acc, vld1q_f32(x + i), vld1q_f32(x + i + 4), vld1q_f32(y + i), vld1q_f32(y + i + 4));
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)x[i] * (double)y[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
+}
+
+static double kk_dot_bf16_neon(const uint16_t *w, const float *x, int n) {
+    kk_lanes acc = kk_lanes_zero();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) {
+        float32x4_t w0, w1;
+        kk_bf16x8_neon(w + i, &w0, &w1);
+        kk_lanes_madd(&acc, w0, w1, vld1q_f32(x + i), vld1q_f32(x + i + 4));
+    }
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_bf16_to_f32(w[i]) * (double)x[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
+}
+
+/* kk_dot_neon with y widened beforehand (same order, same bits). */
+static double kk_dot_xd_neon(const float *x, const double *yd, int n) {
+    kk_lanes acc = kk_lanes_zero();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) kk_lanes_madd_xd(&acc, vld1q_f32(x + i), vld1q_f32(x + i + 4), yd + i);
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)x[i] * yd[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
+}
+
+/* kk_dot_bf16_neon with x widened beforehand (same order, same bits). */
+static double kk_dot_bf16_xd_neon(const uint16_t *w, const double *xd, int n) {
+    kk_lanes acc = kk_lanes_zero();
+    int n8 = n & ~7, i;
+    for (i = 0; i < n8; i += 8) {
+        float32x4_t w0, w1;
+        kk_bf16x8_neon(w + i, &w0, &w1);
+        kk_lanes_madd_xd(&acc, w0, w1, xd + i);
+    }
+    if (i < n) {
+        double a[8];
+        kk_lanes_store(acc, a);
+        for (; i < n; i++) a[i - n8] = a[i - n8] + (double)kk_bf16_to_f32(w[i]) * xd[i];
+        return kk_tree(a);
+    }
+    return kk_hsum_tree(acc);
+}
+#define kk_dot_simd kk_dot_neon
+#define kk_dot_bf16_simd kk_dot_bf16_neon
+#define kk_dot_xd_simd kk_dot_xd_neon
+#define kk_dot_bf16_xd_simd kk_dot_bf16_xd_neon
 #else
 int kk_cpu_has_avx2(void) { return 0; }
+int kk_cpu_has_simd(void) { return 0; }
+const char *k3_simd_kind(void) { return "none"; }
 #endif
 
 /* X [ntok rows of ldx] widened to doubles [ntok, cols]; NULL when out of memory (the
@@ -199,8 +335,8 @@ static double *kk_widen(const float *X, int ldx, int ntok, int cols) {
 }
 
 double kk_dot_d(const float *a, const float *b, int n, int simd) {
-#ifdef K3_X86
-    if (simd) return kk_dot_avx2(a, b, n);
+#ifdef K3_SIMD
+    if (simd) return kk_dot_simd(a, b, n);
 #endif
     (void)simd;
     return kk_dot_scalar(a, b, n);
@@ -213,8 +349,8 @@ static double kk_dot_row_d(const kk_mat *w, int row, const float *x, int simd) {
     switch (w->dtype) {
     case K3_DT_BF16: {
         const uint16_t *p = (const uint16_t *)w->data + off;
-#ifdef K3_X86
-        if (simd) return kk_dot_bf16_avx2(p, x, w->cols);
+#ifdef K3_SIMD
+        if (simd) return kk_dot_bf16_simd(p, x, w->cols);
 #endif
         return kk_dot_bf16_scalar(p, x, w->cols);
     }
@@ -234,19 +370,19 @@ typedef struct {
     int ldx, ntok;
     float *Y;
     int ldy, simd;
-    const double *Xd; /* X widened ([ntok, cols]) for the AVX2 BF16 kernel, or NULL */
+    const double *Xd; /* X widened ([ntok, cols]) for the SIMD BF16 kernel, or NULL */
 } kk_mm_job;
 
 static void kk_mm_rows(void *vctx, int b, int e) {
     kk_mm_job *j = (kk_mm_job *)vctx;
-#ifdef K3_X86
+#ifdef K3_SIMD
     if (j->Xd) {
         int n = j->w->cols;
         const uint16_t *base = (const uint16_t *)j->w->data;
         for (int r = b; r < e; r++)
             for (int t = 0; t < j->ntok; t++)
                 j->Y[(size_t)t * j->ldy + r] =
-                    (float)kk_dot_bf16_xd_avx2(base + (size_t)r * n, j->Xd + (size_t)t * n, n);
+                    (float)kk_dot_bf16_xd_simd(base + (size_t)r * n, j->Xd + (size_t)t * n, n);
         return;
     }
 #endif
@@ -289,11 +425,12 @@ void kk_mxfp4_decode_row(const uint8_t *packed, const uint8_t *scales, int cols,
     }
 }
 
-#ifdef K3_X86
+#ifdef K3_SIMD
 /* E2M1 codes times two, as int8: exact integers, so (2e) * (scale / 2) == e * scale.
  * Code 8 (-0) becomes +0: a signed zero weight never changes a sum that starts at +0. */
 static const int8_t kk_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+#ifdef K3_X86
 /* 32 weights of one group as 4 x 8 floats, in column order. */
 K3_AVX2 static void kk_mx_group_avx2(const uint8_t *p, float half_scale,
                                                              __m256 out[4]) {
@@ -310,6 +447,7 @@ K3_AVX2 static void kk_mx_group_avx2(const uint8_t *p, float half_scale,
     out[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)), sc);
     out[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8))), sc);
 }
+#endif
 
 /* 2^(s-128) for every scale byte, built from bits (s = 0, 1 give exact subnormals). */
 static float kk_half_scale(uint8_t s) {
@@ -319,6 +457,9 @@ static float kk_half_scale(uint8_t s) {
     return f;
 }
 
+#define KK_MX_ROWS 4 /* rows side by side in the fused one-token kernels */
+
+#ifdef K3_X86
 /* Decode a row into floats (same values as the scalar decoder up to the sign of zero). */
 K3_AVX2 static void kk_mx_decode_row_avx2(const uint8_t *packed, const uint8_t *scales,
                                                                   int cols, float *out, uint64_t *nan_groups) {
@@ -336,7 +477,6 @@ K3_AVX2 static void kk_mx_decode_row_avx2(const uint8_t *packed, const uint8_t *
 
 /* NR rows times one token, fused: each row keeps kk_dot's lane order over its decoded
  * weights; several rows run side by side only to hide the add latency. */
-#define KK_MX_ROWS 4
 K3_AVX2 static void kk_mx_dot_rows_avx2(const uint8_t *packed, const uint8_t *scales,
                                                                 int nr, int cols, const double *xd, float *y,
                                                                 uint64_t *nan_groups) {
@@ -358,6 +498,65 @@ K3_AVX2 static void kk_mx_dot_rows_avx2(const uint8_t *packed, const uint8_t *sc
     }
     for (int r = 0; r < nr; r++) y[r] = (float)kk_hsum_tree(acc[r]);
 }
+#define kk_mx_decode_row_simd kk_mx_decode_row_avx2
+#define kk_mx_dot_rows_simd kk_mx_dot_rows_avx2
+#elif defined(K3_NEON)
+/* 32 weights of one group as 8 x 4 floats, in column order (kk_mx_group_avx2's values). */
+static void kk_mx_group_neon(const uint8_t *p, float half_scale, float32x4_t out[8]) {
+    const int8x16_t lut = vld1q_s8(kk_e2m1_x2);
+    uint8x16_t b = vld1q_u8(p);
+    uint8x16_t lo = vandq_u8(b, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(b, 4);
+    /* element 2j is the low nibble of byte j, element 2j+1 the high one */
+    int8x16_t e[2] = {vqtbl1q_s8(lut, vzip1q_u8(lo, hi)), vqtbl1q_s8(lut, vzip2q_u8(lo, hi))};
+    float32x4_t sc = vdupq_n_f32(half_scale);
+    for (int h = 0; h < 2; h++) {
+        int16x8_t l16 = vmovl_s8(vget_low_s8(e[h])), h16 = vmovl_high_s8(e[h]);
+        out[4 * h + 0] = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(l16))), sc);
+        out[4 * h + 1] = vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(l16)), sc);
+        out[4 * h + 2] = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h16))), sc);
+        out[4 * h + 3] = vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(h16)), sc);
+    }
+}
+
+/* Decode a row into floats (same values as the scalar decoder up to the sign of zero). */
+static void kk_mx_decode_row_neon(const uint8_t *packed, const uint8_t *scales, int cols, float *out,
+                                  uint64_t *nan_groups) {
+    for (int g = 0; g < cols / 32; g++) {
+        if (scales[g] == 255) {
+            memset(out + g * 32, 0, 32 * sizeof(float));
+            if (nan_groups) __atomic_add_fetch(nan_groups, 1, __ATOMIC_RELAXED);
+            continue;
+        }
+        float32x4_t w[8];
+        kk_mx_group_neon(packed + g * 16, kk_half_scale(scales[g]), w);
+        for (int q = 0; q < 8; q++) vst1q_f32(out + g * 32 + q * 4, w[q]);
+    }
+}
+
+/* kk_mx_dot_rows_avx2 on NEON: each row keeps kk_dot's lane order over its weights. */
+static void kk_mx_dot_rows_neon(const uint8_t *packed, const uint8_t *scales, int nr, int cols,
+                                const double *xd, float *y, uint64_t *nan_groups) {
+    size_t pr = (size_t)cols / 2, sr = (size_t)cols / 32;
+    kk_lanes acc[KK_MX_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = kk_lanes_zero();
+    for (int g = 0; g < cols / 32; g++) {
+        for (int r = 0; r < nr; r++) {
+            uint8_t sb = scales[r * sr + g];
+            float32x4_t w[8];
+            if (sb == 255) {
+                if (nan_groups) __atomic_add_fetch(nan_groups, 1, __ATOMIC_RELAXED);
+                for (int q = 0; q < 8; q++) w[q] = vdupq_n_f32(0.0f);
+            } else {
+                kk_mx_group_neon(packed + r * pr + g * 16, kk_half_scale(sb), w);
+            }
+            for (int q = 0; q < 4; q++) kk_lanes_madd_xd(&acc[r], w[2 * q], w[2 * q + 1], xd + g * 32 + q * 8);
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = (float)kk_hsum_tree(acc[r]);
+}
+#define kk_mx_decode_row_simd kk_mx_decode_row_neon
+#define kk_mx_dot_rows_simd kk_mx_dot_rows_neon
+#endif
 #endif
 
 typedef struct {
@@ -368,33 +567,33 @@ typedef struct {
     float *Y;
     int ldy, simd;
     uint64_t *nan_groups;
-    const double *Xd; /* X widened ([ntok, cols]) for the AVX2 kernels, or NULL */
+    const double *Xd; /* X widened ([ntok, cols]) for the SIMD kernels, or NULL */
 } kk_mx_job;
 
 static void kk_mx_rows(void *vctx, int b, int e) {
     kk_mx_job *j = (kk_mx_job *)vctx;
     size_t pr = (size_t)j->cols / 2, sr = (size_t)j->cols / 32;
-#ifdef K3_X86
+#ifdef K3_SIMD
     if (j->Xd && j->ntok == 1) {
         for (int r = b; r < e; r += KK_MX_ROWS) {
             int nr = e - r < KK_MX_ROWS ? e - r : KK_MX_ROWS;
-            kk_mx_dot_rows_avx2(j->packed + r * pr, j->scales + r * sr, nr, j->cols, j->Xd, j->Y + r, j->nan_groups);
+            kk_mx_dot_rows_simd(j->packed + r * pr, j->scales + r * sr, nr, j->cols, j->Xd, j->Y + r, j->nan_groups);
         }
         return;
     }
 #endif
     float row[16384]; /* km_check_config caps latent and expert widths at 16384 */
     for (int r = b; r < e; r++) {
-#ifdef K3_X86
+#ifdef K3_SIMD
         if (j->simd)
-            kk_mx_decode_row_avx2(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
+            kk_mx_decode_row_simd(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
         else
 #endif
             kk_mxfp4_decode_row(j->packed + r * pr, j->scales + r * sr, j->cols, row, j->nan_groups);
         for (int t = 0; t < j->ntok; t++) {
-#ifdef K3_X86
+#ifdef K3_SIMD
             if (j->Xd) {
-                j->Y[(size_t)t * j->ldy + r] = (float)kk_dot_xd_avx2(row, j->Xd + (size_t)t * j->cols, j->cols);
+                j->Y[(size_t)t * j->ldy + r] = (float)kk_dot_xd_simd(row, j->Xd + (size_t)t * j->cols, j->cols);
                 continue;
             }
 #endif

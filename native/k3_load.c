@@ -371,9 +371,11 @@ static void km_bind_layer(k3_model *m, km_loader *ld, int L) {
         km_mat(ld, N("self_attn.o_proj.weight"), E, H * c->v_head_dim, &ly->o_proj);
     }
     if (ld->units) ld->stream = &ld->units[KR_FFN];
-    if (!ly->is_moe) {
+    if (!ly->is_moe) { /* split: each matrix its own unit, in the order dense_forward_split takes them */
         km_mat(ld, N("mlp.gate_proj.weight"), c->dense_width, E, &ly->mlp_gate);
+        if (ld->units && ly->ffn_split) ld->stream = &ld->units[KR_FFN_UP];
         km_mat(ld, N("mlp.up_proj.weight"), c->dense_width, E, &ly->mlp_up);
+        if (ld->units && ly->ffn_split) ld->stream = &ld->units[KR_FFN_DOWN];
         km_mat(ld, N("mlp.down_proj.weight"), E, c->dense_width, &ly->mlp_down);
     } else {
         int64_t ne[1] = {c->n_experts}, nl[1] = {c->latent_dim};
@@ -461,7 +463,7 @@ static void km_free_all(k3_model *m) {
     kx_store_destroy(m->store);
     kr_ring_destroy(m->ring);
     for (int L = 0; m->layers && L < m->cfg.n_layers; L++)
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < KR_UNITS; u++) {
             free(m->layers[L].su[u].e);
             free(m->layers[L].su[u].reads);
         }
@@ -494,7 +496,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
     if (opts) m->opts = *opts;
     m->nthreads = 1;
     m->owner_pid = getpid();
-    m->simd_available = kk_cpu_has_avx2();
+    m->simd_available = kk_cpu_has_simd();
     m->shards = (kt_shard *)calloc((size_t)n_shards, sizeof(kt_shard));
     m->layers = (km_layer *)calloc((size_t)cfg->n_layers, sizeof(km_layer));
     if (!m->shards || !m->layers) {
@@ -549,6 +551,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         ly->mla_index = ly->is_mla ? mla++ : -1;
         km_loader ld = {m, &ix, NULL, 0, 0, 0, err, errlen, 0, 0, NULL, NULL};
         ly->streamed = m->opts.trunk_stream && !m->opts.pinned[L];
+        ly->ffn_split = ly->streamed && !ly->is_moe && m->opts.ffn_split;
         if (ly->streamed) {
             ld.units = ly->su; /* small vectors are read one by one and stay resident */
         } else if (km_read_run(&ld, L, byl + count[L], count[L + 1] - count[L]) != 0) {
@@ -557,7 +560,10 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         }
         km_bind_layer(m, &ld, L);
         free(ld.run);
-        if (ly->streamed && !ld.failed && (kr_unit_layout(&ly->su[KR_ATTN]) || kr_unit_layout(&ly->su[KR_FFN]))) {
+        int layout_failed = 0;
+        for (int u = 0; ly->streamed && !ld.failed && u < KR_UNITS; u++)
+            layout_failed |= kr_unit_layout(&ly->su[u]) != 0; /* unused units are empty: no-op */
+        if (layout_failed) {
             km_set_err(err, errlen, "out of memory planning the reads of layer %d", L);
             rc = K3_ERR_NOMEM;
             break;
@@ -586,7 +592,19 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         } else {
             km_mat(&ld, KM_PREFIX "embed_tokens.weight", cfg->vocab, E, &m->embed);
         }
-        km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
+        if (m->opts.head_block_rows > 0) { /* row blocks read per pass (km_head) */
+            const k3_tensor_desc *t = km_need(&ld, "language_model.lm_head.weight", 2, es, 1);
+            if (t) {
+                m->lm_head.data = NULL;
+                m->lm_head.dtype = t->dtype;
+                m->lm_head.rows = cfg->vocab;
+                m->lm_head.cols = (int32_t)E;
+                m->head_shard = t->shard;
+                m->head_off = t->offset;
+            }
+        } else {
+            km_mat(&ld, "language_model.lm_head.weight", cfg->vocab, E, &m->lm_head);
+        }
         m->final_norm = km_vec(&ld, KM_PREFIX "norm.weight", 1, vE);
         km_fold_res(m, &ld, KM_PREFIX "output_attn_res_norm.weight",
                     KM_PREFIX "output_attn_res_proj.weight", &m->out_res_u);

@@ -2,6 +2,7 @@
  * lm_head (spec 5.1-5.3, 5.8).  Works on chunks of tokens of one sequence; every
  * per-token computation is the same whatever the chunk, so chunking never moves bits.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,8 +92,59 @@ static int km_embed(k3_model *m, const int32_t *ids, int ntok, float *h, char *e
 
 static size_t km_max(size_t a, size_t b) { return a > b ? a : b; }
 
+/* Consumes an injected lm_head fault (k3_model_inject_fault, expert -3). */
+static int km_head_fault(k3_model *m) {
+    if (!__atomic_load_n(&m->fault_kind, __ATOMIC_SEQ_CST) ||
+        __atomic_load_n(&m->fault_expert, __ATOMIC_SEQ_CST) != -3)
+        return 0;
+    __atomic_store_n(&m->fault_kind, 0, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* Logits of ntok normalized rows xn: lm_head held, one matmul; else its rows read from
+ * the shard in blocks of head_block_rows into one buffer, each block its own matmul
+ * writing its logit columns.  A logit is one row's dot product with xn either way (rows
+ * are independent in kk_matmul), so streaming never moves a bit. */
+static int km_head(k3_model *m, const kk_ctx *kc, const float *xn, int ntok, float *logits,
+                   char *err, size_t errlen) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden, V = c->vocab;
+    if (m->lm_head.data) {
+        kk_matmul(kc, &m->lm_head, xn, E, ntok, logits, V);
+        return K3_OK;
+    }
+    int block = m->opts.head_block_rows < V ? m->opts.head_block_rows : V;
+    size_t rowb = (m->lm_head.dtype == K3_DT_F32 ? 4 : 2) * (size_t)E;
+    void *buf = NULL;
+    if (posix_memalign(&buf, 64, rowb * (size_t)block) != 0) {
+        km_set_err(err, errlen, "out of memory for the lm_head block buffer (%d rows, %zu bytes)", block,
+                   rowb * (size_t)block);
+        return K3_ERR_NOMEM;
+    }
+    const kt_shard *sh = &m->shards[m->head_shard];
+    int fault = km_head_fault(m);
+    for (int r0 = 0; r0 < V; r0 += block) {
+        int nr = V - r0 < block ? V - r0 : block;
+        uint64_t off = m->head_off + (uint64_t)r0 * rowb, len = (uint64_t)nr * rowb;
+        int rc = fault ? -EIO : kt_pread_full(sh->fd, buf, len, off);
+        if (rc != 0) {
+            km_set_err(err, errlen, "read of lm_head rows %d..%d failed: shard %s offset %llu length %llu: %s",
+                       r0, r0 + nr - 1, sh->path, (unsigned long long)off, (unsigned long long)len,
+                       strerror(-rc));
+            free(buf);
+            return K3_ERR_IO;
+        }
+        __atomic_add_fetch(&m->stats.trunk_bytes_read, len, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&m->stats.head_bytes_read, len, __ATOMIC_RELAXED);
+        kk_mat w = {buf, m->lm_head.dtype, nr, E};
+        kk_matmul(kc, &w, xn, E, ntok, logits + r0, V);
+    }
+    free(buf);
+    return K3_OK;
+}
+
 static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, float *logits,
-                    int all_rows, const volatile int32_t *cancel, char *err, size_t errlen) {
+                    int all_rows, const volatile int32_t *cancel, kd_draft *draft, char *err, size_t errlen) {
     const k3_config *c = &m->cfg;
     int E = c->hidden, Sb = c->attn_res_block, nsnap = (c->n_layers - 1) / Sb + 1;
     kk_ctx kc;
@@ -143,7 +195,7 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
                 memset(st->kda_s[0], 0, sizeof(float) * P * c->kda_head_dim);
                 memset(st->kda_conv[0], 0, sizeof(float) * 3 * P * (c->conv_kernel - 1));
             }
-            kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch);
+            kda_forward(m, ly, st->kda_s[slot], st->kda_conv[slot], xn, ntok, a, scratch, draft);
         }
         if (ly->streamed) kr_release(m->ring, L, KR_ATTN);
         if (have_cur) {
@@ -156,6 +208,11 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         km_attn_res(m, B, nB + 1, ly->mlp_res_u, ntok, x, kc.simd);
         for (int t = 0; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, ly->post_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
+        if (ly->ffn_split) { /* its three matrices come through the ring one by one */
+            if ((rc = dense_forward_split(m, L, ly, xn, ntok, a, scratch, err, errlen)) != K3_OK) break;
+            for (size_t i = 0; i < TE; i++) cur[i] = cur[i] + a[i];
+            continue;
+        }
         if (ly->streamed && (rc = kr_acquire(m->ring, L, KR_FFN, err, errlen)) != K3_OK) break;
         if (ly->is_moe)
             rc = moe_forward(m, L, ly, xn, ntok, a, scratch, err, errlen);
@@ -171,10 +228,43 @@ static int km_chunk(k3_model *m, ks_state *st, const int32_t *ids, int ntok, flo
         int first = all_rows ? 0 : ntok - 1;
         for (int t = first; t < ntok; t++)
             kk_rmsnorm(x + (size_t)t * E, m->final_norm, E, c->rms_eps, xn + (size_t)t * E, kc.simd);
-        kk_matmul(&kc, &m->lm_head, xn + (size_t)first * E, E, ntok - first, logits, c->vocab);
+        rc = km_head(m, &kc, xn + (size_t)first * E, ntok - first, logits, err, errlen);
     }
     free(buf);
     return rc;
+}
+
+/* Ids a feed or a verify may take: each inside the vocabulary, and room for all n. */
+static int km_check_ids(const k3_model *m, const ks_state *st, const int32_t *ids, int n, const char *what,
+                        char *err, size_t errlen) {
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->cfg.vocab) {
+            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
+                       m->cfg.vocab);
+            return K3_ERR_INVALID;
+        }
+    if ((int64_t)st->len + n > st->cap) {
+        km_set_err(err, errlen, "context full: %d positions fed + %d %s > capacity %d", st->len, n, what, st->cap);
+        return K3_ERR_INVALID;
+    }
+    return K3_OK;
+}
+
+int km_verify(k3_model *m, ks_state *st, kd_draft *d, const int32_t *ids, int n, float *logits_all,
+              const volatile int32_t *cancel, char *err, size_t errlen) {
+    d->n = 0;
+    if (n <= 0 || n > d->cap || st->shared_slot) {
+        km_set_err(err, errlen, "a verify feed needs 1..%d positions, got %d", d->cap, n);
+        return K3_ERR_INVALID;
+    }
+    int rc = km_check_ids(m, st, ids, n, "to verify", err, errlen);
+    if (rc != K3_OK) return rc;
+    /* one pass whatever the prefill chunk: the point is to read the weights once for all n */
+    rc = km_chunk(m, st, ids, n, logits_all, 1, cancel, d, err, errlen);
+    if (rc != K3_OK) return rc;
+    memcpy(d->ids, ids, sizeof(int32_t) * (size_t)n);
+    d->n = n; /* tokens_fed grows on accept: per-token figures count what entered the session */
+    return K3_OK;
 }
 
 int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logits_last,
@@ -184,16 +274,8 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         km_set_err(err, errlen, "nothing to feed");
         return K3_ERR_INVALID;
     }
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= c->vocab) {
-            km_set_err(err, errlen, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
-                       c->vocab);
-            return K3_ERR_INVALID;
-        }
-    if ((int64_t)st->len + n > st->cap) {
-        km_set_err(err, errlen, "context full: %d positions fed + %d new > capacity %d", st->len, n, st->cap);
-        return K3_ERR_INVALID;
-    }
+    int checked = km_check_ids(m, st, ids, n, "new", err, errlen);
+    if (checked != K3_OK) return checked;
     /* the shared KDA slot only holds within one pass over the whole sequence */
     int chunk = st->shared_slot ? n : (m->opts.prefill_chunk > 0 ? m->opts.prefill_chunk : KM_CHUNK);
     for (int done = 0; done < n;) {
@@ -208,7 +290,7 @@ int km_forward(k3_model *m, ks_state *st, const int32_t *ids, int n, float *logi
         } else if (logits_last && last_chunk) {
             lg = logits_last;
         }
-        int rc = km_chunk(m, st, ids + done, cn, lg, all_rows, cancel, err, errlen);
+        int rc = km_chunk(m, st, ids + done, cn, lg, all_rows, cancel, NULL, err, errlen);
         if (rc == K3_OK && logits_all && logits_last && last_chunk)
             memcpy(logits_last, logits_all + (size_t)(n - 1) * c->vocab, sizeof(float) * c->vocab);
         free(tmp);

@@ -22,6 +22,11 @@ size_t moe_scratch_floats(const k3_config *c, int ntok) {
 
 size_t dense_scratch_floats(const k3_config *c, int ntok) { return (size_t)ntok * 2 * c->dense_width; }
 
+/* g = SiTU(g, v) elementwise over n values (the GLU's one non-matmul step). */
+static void kk_situ_rows(const k3_config *c, float *g, const float *v, size_t n) {
+    for (size_t i = 0; i < n; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
+}
+
 /* y = W_down SiTU(W_gate x, W_up x) for ntok tokens. */
 static void kk_glu(const kk_ctx *kc, const k3_config *c, const kk_mat *gate, const kk_mat *up,
                    const kk_mat *down, const float *x, int ldx, int ntok, float *y, int ldy,
@@ -30,7 +35,7 @@ static void kk_glu(const kk_ctx *kc, const k3_config *c, const kk_mat *gate, con
     float *g = scratch, *v = g + (size_t)ntok * w;
     kk_matmul(kc, gate, x, ldx, ntok, g, w);
     kk_matmul(kc, up, x, ldx, ntok, v, w);
-    for (size_t i = 0; i < (size_t)ntok * w; i++) g[i] = kk_situ(g[i], v[i], c->situ_beta1, c->situ_beta2);
+    kk_situ_rows(c, g, v, (size_t)ntok * w);
     kk_matmul(kc, down, g, w, ntok, y, ldy);
 }
 
@@ -40,6 +45,28 @@ void dense_forward(const k3_model *m, const km_layer *ly, const float *xn, int n
     km_kk_ctx(m, &kc);
     kk_glu(&kc, &m->cfg, &ly->mlp_gate, &ly->mlp_up, &ly->mlp_down, xn, m->cfg.hidden, ntok, out,
            m->cfg.hidden, scratch);
+}
+
+/* kk_glu's three matmuls and SiTU in its order, each matrix bound from the ring only
+ * around its own matmul: one matrix in a slot at a time, the same bits. */
+int dense_forward_split(k3_model *m, int L, const km_layer *ly, const float *xn, int ntok,
+                        float *out, float *scratch, char *err, size_t errlen) {
+    kk_ctx kc;
+    km_kk_ctx(m, &kc);
+    int E = m->cfg.hidden, w = m->cfg.dense_width;
+    float *g = scratch, *v = g + (size_t)ntok * w;
+    int rc = kr_acquire(m->ring, L, KR_FFN, err, errlen);
+    if (rc != K3_OK) return rc;
+    kk_matmul(&kc, &ly->mlp_gate, xn, E, ntok, g, w);
+    kr_release(m->ring, L, KR_FFN);
+    if ((rc = kr_acquire(m->ring, L, KR_FFN_UP, err, errlen)) != K3_OK) return rc;
+    kk_matmul(&kc, &ly->mlp_up, xn, E, ntok, v, w);
+    kr_release(m->ring, L, KR_FFN_UP);
+    kk_situ_rows(&m->cfg, g, v, (size_t)ntok * w);
+    if ((rc = kr_acquire(m->ring, L, KR_FFN_DOWN, err, errlen)) != K3_OK) return rc;
+    kk_matmul(&kc, &ly->mlp_down, g, w, ntok, out, E);
+    kr_release(m->ring, L, KR_FFN_DOWN);
+    return K3_OK;
 }
 
 /* Top-k by biased score, descending, ties to the lower index. */

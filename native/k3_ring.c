@@ -2,7 +2,8 @@
  *
  * The matrices of layers that are not pinned cycle through a ring of at least two slots,
  * in units: a layer's attention matrices, then its FFN matrices (so a slot is sized for
- * the largest unit, not the largest layer).  A reader thread walks the units in forward
+ * the largest unit, not the largest layer); with ffn_split a dense layer's FFN is three
+ * units, gate, up, down, so its slot need is one matrix.  A reader thread walks the units in forward
  * order, cyclically, and fills slot (load mod slots) as soon as compute has released it,
  * so it runs up to slots-1 units ahead.  Compute takes loads in the same order; if a pass
  * ended early (an error or a cancel), the ring is reset to the wanted unit: a generation
@@ -16,6 +17,7 @@
 #include <string.h>
 
 #include "k3_internal.h"
+#include "k3_platform.h"
 
 typedef struct {
     uint8_t *buf;
@@ -28,11 +30,11 @@ struct kr_ring {
     k3_model *m;
     kr_slot *slots;
     int nslots;
-    int *seq;       /* streamed units in forward order: L * 2 + unit */
+    int *seq;       /* streamed units in forward order: L * KR_UNITS + unit */
     int nseq;
     uint64_t produced, consumed;
     uint64_t gen;   /* bumped by a reset; a read begun under an older one is dropped */
-    int *pos_of;    /* unit (L * 2 + u) -> its position in seq, or -1 */
+    int *pos_of;    /* unit (L * KR_UNITS + u) -> its position in seq, or -1 */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pthread_t reader;
@@ -76,12 +78,23 @@ int kr_unit_layout(kr_unit *u) {
     return 0;
 }
 
+static const char *kr_unit_name(const km_layer *ly, int unit) {
+    if (unit == KR_ATTN) return "attention";
+    if (!ly->ffn_split) return "FFN";
+    return unit == KR_FFN ? "FFN gate" : unit == KR_FFN_UP ? "FFN up" : "FFN down";
+}
+
+/* Units a streamed layer goes through, in order: attention and FFN, or with a split FFN
+ * attention, gate, up, down. */
+static int kr_layer_units(const km_layer *ly) { return ly->ffn_split ? KR_UNITS : 2; }
+
 static int kr_fill(kr_ring *r, int L, int unit, uint8_t *buf, char *err, size_t errlen) {
     k3_model *m = r->m;
     const kr_unit *u = &m->layers[L].su[unit];
     int fault = 0;
     pthread_mutex_lock(&r->mu);
-    if (m->fault_kind && m->fault_layer == L && m->fault_expert == -1) {
+    if (m->fault_kind && m->fault_layer == L &&
+        (m->fault_expert == -1 || (m->fault_expert == -4 && unit == KR_FFN_DOWN))) {
         fault = 1;
         m->fault_kind = 0;
     }
@@ -91,15 +104,13 @@ static int kr_fill(kr_ring *r, int L, int unit, uint8_t *buf, char *err, size_t 
         int rc = fault ? -EIO : kt_pread_full(m->shards[rd->shard].fd, buf + rd->slot_off, rd->len, rd->off);
         if (rc != 0) {
             km_set_err(err, errlen, "read of layer %d trunk (%s matrices) failed: shard %s offset %llu length %llu: %s",
-                       L, unit == KR_ATTN ? "attention" : "FFN", m->shards[rd->shard].path,
+                       L, kr_unit_name(&m->layers[L], unit), m->shards[rd->shard].path,
                        (unsigned long long)rd->off, (unsigned long long)rd->len, strerror(-rc));
             return K3_ERR_IO;
         }
         __atomic_add_fetch(&m->stats.trunk_bytes_read, rd->len, __ATOMIC_RELAXED);
-#ifdef POSIX_FADV_DONTNEED
         /* streamed bytes are read again next pass from disk, not held twice in RAM */
-        if (m->opts.direct_io) posix_fadvise(m->shards[rd->shard].fd, (off_t)rd->off, (off_t)rd->len, POSIX_FADV_DONTNEED);
-#endif
+        if (m->opts.direct_io) kos_drop_cached(m->shards[rd->shard].fd, rd->off, rd->len);
     }
     __atomic_add_fetch(&m->stats.trunk_stream_reads, 1, __ATOMIC_RELAXED);
     return K3_OK;
@@ -117,7 +128,7 @@ static void *kr_reader(void *arg) {
         int unit = r->seq[p % (uint64_t)r->nseq];
         pthread_mutex_unlock(&r->mu);
         err[0] = 0;
-        int rc = kr_fill(r, unit / 2, unit % 2, s->buf, err, sizeof err);
+        int rc = kr_fill(r, unit / KR_UNITS, unit % KR_UNITS, s->buf, err, sizeof err);
         pthread_mutex_lock(&r->mu);
         if (gen != r->gen) continue; /* reset while reading: this load is for the old order */
         s->load = p;
@@ -135,10 +146,10 @@ int kr_acquire(kr_ring *r, int L, int unit, char *err, size_t errlen) {
     pthread_mutex_lock(&r->mu);
     for (;;) {
         uint64_t c = r->consumed;
-        if (r->seq[c % (uint64_t)r->nseq] != L * 2 + unit) {
+        if (r->seq[c % (uint64_t)r->nseq] != L * KR_UNITS + unit) {
             /* a pass ended early: restart the cycle at the wanted unit without reading
              * the units that pass skipped */
-            uint64_t pos = (uint64_t)r->pos_of[L * 2 + unit], n = (uint64_t)r->nseq;
+            uint64_t pos = (uint64_t)r->pos_of[L * KR_UNITS + unit], n = (uint64_t)r->nseq;
             uint64_t next = c + (pos + n - c % n) % n;
             r->gen++;
             r->consumed = r->produced = next;
@@ -200,7 +211,7 @@ int kr_ring_create(k3_model *m, char *err, size_t errlen) {
     uint64_t biggest = 0;
     for (int L = 0; L < c->n_layers; L++)
         if (m->layers[L].streamed)
-            for (int u = 0; u < 2; u++) {
+            for (int u = 0; u < kr_layer_units(&m->layers[L]); u++) {
                 n++;
                 if (m->layers[L].su[u].bytes > biggest) biggest = m->layers[L].su[u].bytes;
             }
@@ -219,18 +230,18 @@ int kr_ring_create(k3_model *m, char *err, size_t errlen) {
     r->nseq = n;
     r->slots = (kr_slot *)calloc((size_t)nslots, sizeof(kr_slot));
     r->seq = (int *)malloc(sizeof(int) * (size_t)n);
-    r->pos_of = (int *)malloc(sizeof(int) * (size_t)c->n_layers * 2);
+    r->pos_of = (int *)malloc(sizeof(int) * (size_t)c->n_layers * KR_UNITS);
     if (!r->slots || !r->seq || !r->pos_of) {
         kr_ring_destroy(r);
         return K3_ERR_NOMEM;
     }
     n = 0;
-    for (int i = 0; i < c->n_layers * 2; i++) r->pos_of[i] = -1;
+    for (int i = 0; i < c->n_layers * KR_UNITS; i++) r->pos_of[i] = -1;
     for (int L = 0; L < c->n_layers; L++)
         if (m->layers[L].streamed)
-            for (int u = 0; u < 2; u++) {
-                r->pos_of[L * 2 + u] = n;
-                r->seq[n++] = L * 2 + u;
+            for (int u = 0; u < kr_layer_units(&m->layers[L]); u++) {
+                r->pos_of[L * KR_UNITS + u] = n;
+                r->seq[n++] = L * KR_UNITS + u;
             }
     for (int i = 0; i < nslots; i++)
         if (posix_memalign((void **)&r->slots[i].buf, 4096, biggest ? biggest : 64) != 0) {

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "k3_internal.h"
+#include "k3_platform.h"
 
 #define KX_ALIGN 4096u
 #define KX_MAX_BATCH 4096
@@ -51,7 +52,7 @@ struct kx_store {
     int qhead, qlen, qcap;
     pthread_t *readers;
     int nreaders, stop, prefetch;
-    int *dfd;            /* per shard: O_DIRECT descriptor or -1 */
+    int *dfd;            /* per shard: uncached descriptor (k3_platform.h) or -1 */
     int direct;
     uint64_t tick;
     int batch[KX_MAX_BATCH];
@@ -133,7 +134,7 @@ static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) 
             uint64_t hi = (off + total + KX_ALIGN - 1) & ~(uint64_t)(KX_ALIGN - 1);
             rc = kt_pread_atleast(s->dfd[sh], sl->buf, hi - lo, lo, off + total - lo);
             sl->data = sl->buf + (off - lo);
-            if (rc == -EINVAL) { /* the filesystem took O_DIRECT at open but not for reads */
+            if (rc == -EINVAL) { /* the filesystem took O_DIRECT at open but not for reads (Linux) */
                 __atomic_store_n(&m->stats.direct_io_refused, 1, __ATOMIC_RELAXED);
                 rc = kt_pread_full(m->shards[sh].fd, sl->buf, total, off);
                 sl->data = sl->buf;
@@ -141,10 +142,8 @@ static int kx_read(kx_store *s, kx_slot *sl, int key, char *err, size_t errlen) 
         } else {
             rc = kt_pread_full(m->shards[sh].fd, sl->buf, total, off);
             sl->data = sl->buf;
-#ifdef POSIX_FADV_DONTNEED
             /* keep the page cache out of the budget when direct I/O is unavailable */
-            if (rc == 0 && s->m->opts.direct_io) posix_fadvise(m->shards[sh].fd, (off_t)off, (off_t)total, POSIX_FADV_DONTNEED);
-#endif
+            if (rc == 0 && s->m->opts.direct_io) kos_drop_cached(m->shards[sh].fd, off, total);
         }
         if (rc != 0) {
             km_set_err(err, errlen, "read of layer %d expert %d failed: shard %s offset %llu length %llu: %s",
@@ -489,7 +488,7 @@ int kx_store_create(k3_model *m, const k3_open_opts *o, kx_store **out, char *er
     if (o->direct_io) {
         int refused = 0;
         for (int i = 0; i < m->n_shards; i++) {
-            s->dfd[i] = open(m->shards[i].path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+            s->dfd[i] = kos_open_uncached(m->shards[i].path);
             if (s->dfd[i] < 0) refused = 1;
         }
         s->direct = !refused;

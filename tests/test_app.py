@@ -107,14 +107,15 @@ def answer(tok: Tokenizer, reasoning: str | None, content: str) -> list[int]:
 
 
 def make_app(model: Any, tok: Tokenizer, tiny_dir: Path, script: Script | None, *, max_tokens: int = 64,
-             context: int | None = None, session: str | None = None, thinking: bool = True) -> Any:
+             context: int | None = None, session: str | None = None, thinking: bool = True,
+             speculative: int = 0) -> Any:
     def factory(model_dir: Path, settings: Settings, progress: Callable[[str], None]) -> Engine:
         progress("opening the test model")
         options = {"sampler_factory": script} if script is not None else {}
         return Engine(model=model, tokenizer=tok, model_dir=tiny_dir, name="tiny", owns_model=False,
                       context=context, conversation_options=options)
 
-    settings = Settings(max_tokens=max_tokens, thinking=thinking, effort="high")
+    settings = Settings(max_tokens=max_tokens, thinking=thinking, effort="high", speculative=speculative)
     return build_app(tiny_dir, settings=settings, engine_factory=factory, session=session)
 
 
@@ -366,6 +367,25 @@ def test_status_bar_shows_speed_and_context(home: Path, model: Any, tok: Tokeniz
     run(scenario)
 
 
+def test_status_bar_shows_the_draft_acceptance(home: Path, model: Any, tok: Tokenizer, tiny_dir: Path) -> None:
+    """With speculative decoding on, a repetitive answer is drafted from itself: the status
+    bar says how many drafted tokens the sampler kept."""
+    filler = tok.encode_text(" word")
+    app = make_app(model, tok, tiny_dir, Script(filler * 12), max_tokens=24, speculative=4)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await send(pilot, "Count")
+            parts = app.chat.query_one(StatusBar).parts()
+            drafts = [p for p in parts if p.startswith("drafts ")]
+            assert drafts, parts
+            kept, proposed = (int(x) for x in drafts[0].split()[1].split("/"))
+            assert 0 < kept <= proposed and drafts[0].endswith(f"({100 * kept / proposed:.0f}%)")
+
+    run(scenario)
+
+
 def test_transcript_follows_the_bottom_until_scrolled_up(home: Path, model: Any, tok: Tokenizer,
                                                          tiny_dir: Path) -> None:
     lines = "".join(f"line {i}\n" for i in range(60))
@@ -403,7 +423,7 @@ def test_context_overflow_keeps_the_text(home: Path, model: Any, tok: Tokenizer,
             await started(pilot)
             await send(pilot, long)
             assert app.chat.prompt.text == long
-            assert "overflow the context" in screen_text(app)
+            assert "does not fit the context" in screen_text(app)
             assert not app.chat.query(UserMessage)
             assert HistoryStore().list() == []  # the refused first message left no session
             assert app.ui_errors == []

@@ -342,3 +342,19 @@ def test_bench_prefill_chunk_is_passed_to_the_engine(tiny_bench: Path, tmp_path:
     assert 0 < read[6] < read[1]
     assert bench.main_bench(["--prefill-chunk", "0"]) == 2
     assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
+def test_speculative_bench_verifies_with_serial_bits_and_writes_json(tiny_bench: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`k3chat bench --speculative` on the tiny shape: one pass of N positions against N serial
+    steps, drafts all right and all wrong, trunk resident and streamed (no timing asserted)."""
+    out = tmp_path / "spec.json"
+    assert bench.main_bench(["--speculative", "--dir", str(tiny_bench), "--n", "3", "--threads", "1",
+                             "--no-demo", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["trunk"], r["n"]) for r in res["verify"]] == [("resident", 3), ("streamed-ring2", 3)]
+    for r in res["verify"]:
+        assert r["verified_logits_equal_serial"] is True
+        assert (r["serial"]["tokens"], r["verify_all_right"]["tokens"], r["verify_all_wrong"]["tokens"]) == (3, 3, 1)
+    assert "verify N positions in one pass" in capsys.readouterr().out
+    assert bench.main_bench(["--speculative", "--dir", str(tmp_path / "none"), "--no-demo"]) == 2

@@ -109,13 +109,15 @@ SLOW_DRIVER = """
 import sys, time
 from k3engine.model import Session
 real = Session.feed
+SECONDS = float(sys.argv[1])
 def feed(self, ids, **kw):
     if len(ids) == 1:
-        time.sleep(float(sys.argv[1]))
+        time.sleep(SECONDS)
     return real(self, ids, **kw)
 Session.feed = feed
-from k3chat.cli import main
-sys.exit(main(sys.argv[2:]))
+from k3chat.launch import main  # the console script's entry point, as a user runs it
+sys.argv = [sys.argv[0], *sys.argv[2:]]
+sys.exit(main())
 """
 
 
@@ -195,9 +197,10 @@ def test_overflow_is_refused_and_leaves_no_session(tiny_dir: Path, home: Path, t
     out = tmp_path / "r.json"
     code = main(["run", str(tiny_dir), "--prompt", "word " * 100, "--context", "64", "--max-tokens", "8",
                  "--json", str(out)])
-    assert code == 1
-    assert "overflow" in capsys.readouterr().err
-    assert "overflow" in json.loads(out.read_text())["error"]
+    assert code == 2  # a usage problem: the fix is a larger --context (k3chat.context_fit)
+    err = capsys.readouterr().err
+    assert "does not fit the context" in err and "run again with --context 1024" in err
+    assert "does not fit the context" in json.loads(out.read_text())["error"]
     assert HistoryStore().list() == []
 
 
@@ -214,7 +217,7 @@ def test_sampling_seed_is_stored_and_reused(tiny_dir: Path, home: Path, tmp_path
 
 @pytest.mark.parametrize("args,needle", [
     (["--ids", "1,2", "--prompt", "hi"], "not allowed with"),
-    ([], "one of the arguments --ids --prompt --resume is required"),
+    ([], "one of the arguments --ids --prompt --prompt-file --resume is required"),
     (["--prompt", "hi", "--temperature", "0"], "--temperature: must be > 0"),
     (["--prompt", "hi", "--temperature", "warm"], "--temperature: expected a number"),
     (["--prompt", "hi", "--top-p", "1.5"], "--top-p: must be > 0 and <= 1"),

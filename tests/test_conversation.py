@@ -308,24 +308,24 @@ def test_cancel_keeps_partial_text_and_a_reusable_state(model: Model, tok: Token
     assert r2.stop == "end" and not r2.interrupted
 
 
-def test_cancel_during_prefill_stores_an_empty_interrupted_record(model: Model, tok: Tokenizer,
-                                                                  store: HistoryStore) -> None:
+def test_cancel_before_the_prefill_keeps_the_message_unanswered(model: Model, tok: Tokenizer,
+                                                                 store: HistoryStore) -> None:
+    """A first Ctrl-C during a prefill stops at a piece boundary (here before the first):
+    no answer is stored, the message waits for respond(), and the state stays usable."""
     holder: dict[str, Conversation] = {}
 
     def on_event(e: Any) -> None:
         if isinstance(e, Prefill):
-            holder["c"].cancel()  # the engine polls its flag between layers
+            holder["c"].cancel()
 
     conv = holder["c"] = make(model, tok, store, sampler_factory=Script(answer(tok, " r", " fine")))
     r = conv.send("Hello", on_event=on_event)
-    assert r is not None and (r.stop, r.interrupted, r.generated_ids) == ("cancelled", True, [])
-    assert conv._session.tainted and r.prefill_seconds > 0  # the engine aborted the prefill
-    assert plain(conv.records)[-1] == {"role": "assistant", "content": "", "reasoning_content": "",
-                                       "interrupted": True}
-    r2 = conv.send("Hello again")  # recovers from the tainted state
-    assert r2 is not None and r2.stop == "end" and r2.answer == " fine"
-    # The empty interrupted record is not rendered; the turn number still counts it (spec 4).
-    assert r2.turn == 2
+    assert r is not None and (r.stop, r.interrupted, r.pending, r.generated_ids) == ("cancelled", True, True, [])
+    assert r.prefilled_tokens == 0 and not conv._session.tainted
+    assert plain(conv.records) == [{"role": "user", "content": "Hello"}] and conv.pending_user
+    assert r.message is not None and "not yet answered" in r.message
+    r2 = conv.respond()  # answers the kept message
+    assert r2.stop == "end" and r2.answer == " fine" and r2.turn == 1
 
 
 def test_malformed_completion_is_stored_leniently(model: Model, tok: Tokenizer, store: HistoryStore) -> None:

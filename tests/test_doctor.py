@@ -26,7 +26,9 @@ def test_doctor_without_a_model(tmp_path: Path, capsys) -> None:
     assert code == 0
     cpu, mem, disk, probe = rep["cpu"], rep["memory"], rep["disk"], rep["probe"]
     assert cpu["logical_cores"] > 0 and cpu["usable_cores"] > 0 and cpu["model"]
-    assert {type(cpu[k]) for k in ("avx2", "fma", "avx512f")} == {bool}
+    assert {type(cpu[k]) for k in ("avx2", "fma", "avx512f", "neon")} == {bool}
+    assert rep["engine"]["simd"] in ("avx2", "neon", "none")
+    assert rep["engine"]["direct_io"] in ("O_DIRECT", "F_NOCACHE", "none")
     assert mem["total_bytes"] > 0 and mem["available_bytes"] > 0 and mem["usable_bytes"] > 0
     assert "cgroup_limit_bytes" in mem
     assert disk["free_bytes"] > 0 and disk["total_bytes"] >= disk["free_bytes"]
@@ -119,3 +121,90 @@ def test_cpu_flags_parsed(tmp_path: Path) -> None:
     cpu = dr.cpu_info(info)
     assert cpu.model == "Test CPU 9000" and cpu.physical_cores == 2
     assert cpu.avx2 and cpu.fma and not cpu.avx512f
+
+
+def test_arm64_cpuinfo_reports_neon(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("".join(f"processor\t: {n}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32\n"
+                            f"CPU part\t: 0xd0c\n\n" for n in range(2)))
+    cpu = dr.cpu_info(info, system="linux")
+    assert cpu.neon and not (cpu.avx2 or cpu.fma or cpu.avx512f)
+    assert cpu.model == "0xd0c"
+
+
+def _fake_sysctl(values: dict[str, int | str]):
+    def read(name: str) -> bytes | None:
+        v = values.get(name)
+        if v is None:
+            return None
+        if isinstance(v, str):
+            return v.encode() + b"\0"
+        return v.to_bytes(8 if v >= 2**31 or name == "hw.memsize" else 4, "little")
+    return read
+
+
+MAC = {"hw.memsize": 64 * 2**30, "hw.ncpu": 12, "hw.logicalcpu": 12, "hw.physicalcpu": 12,
+       "machdep.cpu.brand_string": "Apple M2 Max", "hw.optional.neon": 1, "hw.pagesize": 16384,
+       "vm.page_free_count": 1000}
+VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
+Pages free:                               20000.
+Pages active:                            900000.
+Pages inactive:                          800000.
+Pages speculative:                         5000.
+Pages throttled:                              0.
+Pages wired down:                        300000.
+Pages purgeable:                          12000.
+"Translation faults":                 123456789.
+Pages stored in compressor:              100000.
+"""
+
+
+def test_macos_cpu_from_sysctl() -> None:
+    cpu = dr.cpu_info(system="darwin", sysctl=_fake_sysctl(MAC))
+    assert (cpu.model, cpu.logical_cores, cpu.physical_cores) == ("Apple M2 Max", 12, 12)
+    assert cpu.neon and not (cpu.avx2 or cpu.fma or cpu.avx512f) and cpu.cpu_quota is None
+
+
+def test_macos_memory_from_sysctl_and_vm_stat() -> None:
+    from k3engine import sizes as sz
+
+    swap = (2 * 2**30).to_bytes(8, "little") + (2**30).to_bytes(8, "little") + bytes(16)
+    values = _fake_sysctl(MAC)
+    read = lambda name: swap if name == "vm.swapusage" else values(name)  # noqa: E731
+    mem = sz.read_machine_memory(system="darwin", sysctl=read, vm_stat=lambda: VM_STAT)
+    assert mem.total == 64 * 2**30 and mem.cgroup is None
+    assert mem.available == 16384 * (20000 + 5000 + 800000)  # free + speculative + inactive
+    assert mem.swap_total == 2 * 2**30 and mem.limit == mem.available
+    # no vm_stat: the free pages only, never more than the machine can give
+    mem = sz.read_machine_memory(system="darwin", sysctl=read, vm_stat=lambda: None)
+    assert mem.available == 1000 * 16384
+
+
+def test_probe_uses_f_nocache_where_there_is_no_o_direct(tmp_path: Path, monkeypatch) -> None:
+    import fcntl
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.setattr(fcntl, "F_NOCACHE", 48, raising=False)
+    real = fcntl.fcntl
+
+    def fake_fcntl(fd: int, cmd: int, arg: int = 0):
+        if cmd == 48:
+            calls.append((fd, arg))
+            return 0
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)
+    result = dr.probe_disk(tmp_path, 40 * 2**20, seconds=0.05)
+    assert result.direct_io and result.mode == "F_NOCACHE" and result.note == ""
+    assert len(calls) == 2 and all(arg == 1 for _, arg in calls)  # the writer and the reader
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_peak_rss_unit_per_os() -> None:
+    from k3engine import sizes as sz
+
+    # macOS reports ru_maxrss in bytes, Linux in KiB: a KiB reading taken as bytes on a Mac
+    # would make the process reserve 1024 times too big and refuse every plan
+    linux, darwin = sz._maxrss_bytes("linux"), sz._maxrss_bytes("darwin")
+    assert 0 < linux <= 1024 * darwin <= linux + 64 * 2**20  # read second: may have grown

@@ -1,5 +1,5 @@
 """Kernel-level checks: MXFP4 and BF16 products against float64 references, and the
-portable and AVX2 paths bit-identical on awkward inputs (extreme scales, -0 codes,
+portable and SIMD (AVX2, NEON) paths bit-identical on awkward inputs (extreme scales, -0 codes,
 scale 255, row counts that are not multiples of the SIMD row block)."""
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_mxfp4_matches_float64_reference(rows: int, cols: int, ntok: int) -> Non
 @pytest.mark.parametrize("rows,cols,ntok", [(7, 64, 1), (13, 96, 1), (9, 64, 3), (64, 3584, 1), (3, 3584, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_mxfp4_simd_equals_scalar_bits(rows: int, cols: int, ntok: int, threads: int) -> None:
-    if not lib.k3_cpu_has_avx2():
-        pytest.skip("no AVX2 on this CPU: only the portable kernel exists here")
+    if ffi.string(lib.k3_simd_kind()) == b"none":
+        pytest.skip("no AVX2 or NEON here: only the portable kernel exists")
     packed, scales = awkward(rows, cols, 7 + rows)
     x = np.random.default_rng(2).standard_normal((ntok, cols)).astype(np.float32)
     x[:, :32] *= 1e-30
@@ -75,7 +75,7 @@ def test_bf16_simd_equals_scalar_bits_and_reference() -> None:
     wf = (w16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     ref = x.astype(np.float64) @ wf.T
     assert np.allclose(out[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    if lib.k3_cpu_has_avx2():
+    if ffi.string(lib.k3_simd_kind()) != b"none":
         assert out[0].tobytes() == out[1].tobytes()
 
 

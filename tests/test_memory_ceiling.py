@@ -5,10 +5,12 @@ A user with a cgroup limit relies on it: the process's peak resident memory must
 here has enough expert bytes (384 experts of 417,792 B, 160 MB) that the plan fills the
 budget and the engine's expert cache really grows to the size planned (evictions prove it).
 Peaks are read in the process that ran: the engine's peak_rss stat (VmHWM) for
-`k3chat run`, /proc/self/status VmHWM for the app. (The server does not exist yet.)
+`k3chat run`, /proc/self/status VmHWM for the app, /health (the engine's peak_rss stat) for
+`k3chat serve`.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -123,3 +125,35 @@ def test_peak_rss_stat_is_the_processs_own_not_its_parents(tiny_dir: Path) -> No
     assert len(ballast) == 300 * sz.MiB
     peak = int(done.stdout)
     assert 0 < peak < 200 * sz.MiB, peak  # a tiny model in a fresh interpreter: ~40 MiB
+
+
+def _http(port: int, method: str, path: str, body: dict | None = None) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        data = json.loads(reply.read())
+        assert reply.status == 200, data
+        return data
+    finally:
+        conn.close()
+
+
+def test_server_peak_rss_stays_under_the_budget(big_experts: Path, tmp_path: Path) -> None:
+    pytest.importorskip("uvicorn")
+    from server_proc import ServerProc
+
+    budget = 128 * sz.MiB
+    prompt = " ".join(f"word{i} number {i * 7} and the sum of {i} plus {i + 3}" for i in range(40))
+    with ServerProc([str(big_experts), "--memory", str(budget), "--threads", "2", "--context", "1024"],
+                    tmp_path / "home", start_timeout=300) as srv:
+        assert srv.port, srv.stderr
+        for text in (prompt, "And once more, shorter."):  # two conversations: the pool keeps a state
+            _http(srv.port, "POST", "/v1/completions", {"model": srv.model, "prompt": text, "max_tokens": 8})
+        memory = _http(srv.port, "GET", "/health")["memory"]
+        assert srv.stop() == 0, srv.stderr
+    assert memory["plan_bytes"] is not None and memory["plan_bytes"] <= budget, memory
+    assert 0 < memory["peak_rss_bytes"] <= budget, (memory, budget)
+    # the plan binds: the expert cache filled the slots planned and had to evict
+    assert memory["expert_slots"] > 0 and memory["cache_evictions"] > 0, memory

@@ -179,11 +179,17 @@ def test_k3_sizes_match_the_spec(k3) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def k3_floor(context: int, embed: int) -> int:
+K3_HEAD = K3_EMBED_LM_HEAD // 2  # lm_head [163,840, 7,168] BF16, as stored
+# A streamed lm_head: blocks of as many 14,336 B rows as 32 MiB holds (2,340), one buffer.
+K3_HEAD_BLOCK_ROWS = (32 << 20) // K3_ROW
+K3_HEAD_BUFFER = K3_HEAD_BLOCK_ROWS * K3_ROW
+
+
+def k3_floor(context: int, embed: int, head: int = K3_HEAD, snapshots: int = 1) -> int:
     """The floor from spec numbers, without the planner's work-buffer and staging estimate."""
     # one turn snapshot is the whole state export: KDA state + MLA rows + ids + 40 B header
-    snapshot = K3_KDA_STATE + context * (K3_MLA_PER_POSITION + 4) + 40
-    return (K3_EMBED_LM_HEAD // 2 + embed + K3_VECTORS_FP32 + 4 * 3 * E + K3_KDA_STATE + snapshot
+    snapshot = snapshots * (K3_KDA_STATE + context * (K3_MLA_PER_POSITION + 4) + 40)
+    return (head + embed + K3_VECTORS_FP32 + 4 * 3 * E + K3_KDA_STATE + snapshot
             + context * K3_MLA_PER_POSITION)
 
 
@@ -310,40 +316,103 @@ def test_k3_9g_pins_layer0_so_the_slots_shrink(k3) -> None:
         assert text in table, text
 
 
-def test_k3_smallest_plan_streams_layer0_and_below_it_is_refused(k3) -> None:
-    """The smallest K3 plan streams every layer through slots sized for layer 0's FFN unit.
-
-    7.01 GiB at 8,192 tokens (just over 7 GiB, so the refusal suggests --memory 8G): floor
-    4.02 (a 64-token pass) + ring 2 x 1.35 (2.71) + 17 expert slots 0.28. 6 GiB is refused,
-    whatever the context (one token needs 6.11 GiB: the snapshot is then about the KDA
-    state, 0.43). At the minimum the chunk is the base 64 tokens.
+def test_k3_smallest_held_head_plan_streams_layer0(k3) -> None:
+    """The smallest K3 plan that holds lm_head streams every layer through slots sized for
+    layer 0's FFN unit: 7.01 GiB at 8,192 tokens: floor 4.02 (a 64-token pass) + ring
+    2 x 1.35 (2.71) + 17 expert slots 0.28. One byte less and layer 0's FFN streams one
+    matrix per unit (ffn_split), so the slots shrink to a KDA attention unit (0.83) with
+    lm_head still held: 5.95 GiB; one byte below that lm_head streams and the FFN is one unit
+    again (the unsplit ring fits beside a streamed lm_head down to 4.85 GiB).
     """
     cfg, ts = k3
-    need = pl.minimum_budget(cfg, ts, 8192)
+    floor = k3_floor(8192, embed=K3_ROW) + K3_STAGING + k3_work(64)
+    need = floor + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
     plan = pl.make_plan(cfg, ts, need, 8192, check_machine=False)
     check_invariants(plan)
+    assert not plan.head_stream and plan.lm_head_bytes == K3_HEAD
+    assert plan.engine_options()["head_block_rows"] == 0 and plan.head_read_per_token == 0
     assert plan.pinned_layers == () and plan.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
     assert plan.expert_slots == 17 and plan.ring_unit == "layer 0 FFN"
-    assert plan.prefill_chunk == 64
-    assert plan.floor_bytes == k3_floor(8192, embed=K3_ROW) + K3_STAGING + k3_work(64)
-    assert need == plan.floor_bytes + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT
+    assert plan.prefill_chunk == 64 and plan.floor_bytes == floor
+    assert not plan.ffn_split and not plan.engine_options()["ffn_split"]
+    below = pl.make_plan(cfg, ts, need - 1, 8192, check_machine=False)
+    check_invariants(below)
+    assert not below.head_stream and below.ffn_split and below.pinned_layers == ()
+    assert below.ring_unit == "layer 0 attention"  # layer 0 is a KDA layer; ties name the lowest
+    assert below.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8) < ring_bound(K3_DENSE_FFN // 3, 1) * 2
+    assert below.engine_options()["ffn_split"] and below.stream_options().ffn_split
+    split_need = floor + 2 * ring_bound(K3_KDA_ATTN, 8) + 17 * EXPERT_SLOT
+    assert 5.95 * sz.GiB < split_need < 5.96 * sz.GiB
+    at = pl.make_plan(cfg, ts, split_need, 8192, check_machine=False)
+    check_invariants(at)
+    assert at.ffn_split and not at.head_stream and at.prefill_chunk == 64
+    assert at.floor_bytes == floor and at.expert_slots == 17
+    lower = pl.make_plan(cfg, ts, split_need - 1, 8192, check_machine=False)
+    check_invariants(lower)
+    # lm_head streamed, the unsplit ring fits again (4.85 GiB): the FFN splits only when needed
+    assert lower.head_stream and lower.lm_head_bytes == K3_HEAD_BUFFER and not lower.ffn_split
+    assert lower.ring_slot_bytes == ring_bound(K3_DENSE_FFN, 3)
+
+
+def test_k3_smallest_plan_streams_lm_head_and_below_it_is_refused(k3) -> None:
+    """The smallest K3 plan at 8,192 tokens streams lm_head too: its 2.19 GiB become one
+    32 MiB block buffer, and layer 0's dense FFN streams split, one matrix (0.45 GiB) per
+    unit, so the ring's two slots are sized for a KDA attention unit (0.83) instead of the
+    three matrices (1.35): 3.80 GiB in all (floor 1.87 + ring 1.65 + 17 slots 0.28), 2.90 at
+    one token. Every token reads the whole lm_head (163,840 x 7,168 x 2 B) in 71 reads.
+    2.5 GiB is refused whatever the context."""
+    cfg, ts = k3
+    need = pl.minimum_budget(cfg, ts, 8192)
+    floor = k3_floor(8192, embed=K3_ROW, head=K3_HEAD_BUFFER) + K3_STAGING + k3_work(64)
+    assert need == floor + 2 * ring_bound(K3_KDA_ATTN, 8) + 17 * EXPERT_SLOT
+    assert ring_bound(K3_DENSE_FFN // 3, 1) < ring_bound(K3_KDA_ATTN, 8)  # one matrix < attention
+    assert 3.79 * sz.GiB < need < 3.81 * sz.GiB
+    one = pl.minimum_budget(cfg, ts, 1)
+    assert one == (k3_floor(1, embed=K3_ROW, head=K3_HEAD_BUFFER) + K3_STAGING + k3_work(1, 1)
+                   + 2 * ring_bound(K3_KDA_ATTN, 8) + 17 * EXPERT_SLOT)
+    assert 2.89 * sz.GiB < one < 2.91 * sz.GiB
+    plan = pl.make_plan(cfg, ts, need, 8192, check_machine=False)
+    check_invariants(plan)
+    assert plan.head_stream and plan.head_block_rows == K3_HEAD_BLOCK_ROWS == 2340
+    assert plan.lm_head_bytes == K3_HEAD_BUFFER and plan.floor_bytes == floor
+    assert plan.pinned_layers == () and plan.ring_unit == "layer 0 attention"
+    assert plan.ffn_split and plan.stream_options().ffn_split
+    assert plan.layer_unit_slots[0] == (ring_bound(K3_KDA_ATTN, 8), ring_bound(K3_DENSE_FFN // 3, 1))
+    assert plan.expert_slots == 17 and plan.prefill_chunk == 64
+    assert plan.head_read_per_token == 163840 * 7168 * 2
+    assert plan.cold_read_per_token == (K3_TRUNK - K3_VECTORS_STORED + K3_ROW + K3_HEAD
+                                        + 92 * 16 * K3_EXPERT)
+    assert plan.engine_options()["head_block_rows"] == 2340
+    assert plan.stream_options().head_block_rows == 2340
+    assert plan.read_seconds(plan.head_read_per_token, 2.0) == pytest.approx(
+        163840 * 7168 * 2 / 2e9)
+    table = plan.table(2.0)
+    for text in ("streamed: blocks of 2,340 rows", f"{K3_HEAD:,} B read per token",
+                 "in 71 reads", f"{163840 * 7168 * 2 / 2e9:.2f} s per token at 2 GB/s",
+                 "head_block_rows=2,340", "ffn_split=True", "dense FFNs split"):
+        assert text in table, text
+    assert "give --disk-gbps" in plan.table()
     with pytest.raises(pl.PlanError):
         pl.make_plan(cfg, ts, need - 1, 8192, check_machine=False)
-    budget = sz.parse_memory("6G")
+    budget = sz.parse_memory("2.5G")
     with pytest.raises(pl.PlanError) as info:
         pl.make_plan(cfg, ts, budget, 8192, check_machine=False)
     err = info.value
     assert err.minimum == need and err.max_context is None
     msg = str(err)
-    for text in (f"{budget:,} B", f"{need:,} B", "layer 0's FFN matrices",
-                 f"{K3_DENSE_FFN:,} B in 3 tensors", f"{ring_bound(K3_DENSE_FFN, 3):,} B",
-                 "17 slots", "embedding rows read per token", "What to do", "--memory 8G",
+    for text in (f"{budget:,} B", f"{need:,} B", "layer 0's attention matrices",
+                 f"{K3_KDA_ATTN:,} B in 8 tensors", f"{ring_bound(K3_KDA_ATTN, 8):,} B",
+                 "17 slots", "embedding rows read per token",
+                 "lm_head read per token in blocks of 2,340 rows", "What to do", "--memory 4G",
                  "smaller context does not help"):
         assert text in msg, text
-    with pytest.raises(pl.PlanError):
-        pl.make_plan(cfg, ts, budget, 1, check_machine=False)
-    # without the turn snapshot (0.43 GiB) one token of context would fit
-    check_invariants(pl.make_plan(cfg, ts, budget, 1, check_machine=False, snapshots=0))
+    # without the turn snapshot (0.85 GiB at 8K) the same plan is 2.94 GiB
+    bare = pl.make_plan(cfg, ts, need, 8192, check_machine=False, snapshots=0)
+    check_invariants(bare)
+    bare_need = pl.minimum_budget(cfg, ts, 8192, snapshots=0)
+    assert bare_need == (k3_floor(8192, embed=K3_ROW, head=K3_HEAD_BUFFER, snapshots=0)
+                         + K3_STAGING + k3_work(64) + 2 * ring_bound(K3_KDA_ATTN, 8)
+                         + 17 * EXPERT_SLOT)
 
 
 def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
@@ -351,7 +420,9 @@ def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
     the 92 streamed MoE layers (1.10 GiB) are held too, and 8.13 + 1.10 = 9.23 > 9, so every
     layer streams: floor 4.02 + routers 1.10 + ring 2 x 1.35 (2.71) + 17 expert slots 0.28 =
     8.11, and the remaining 0.89 grows the chunk to 992 tokens. (At 8 GiB, where layer 0
-    streams anyway, lookahead is refused: the smallest plan needs 7.01 + 1.10 = 8.11.)
+    streams anyway, lookahead with lm_head held needs 7.01 + 1.10 = 8.11, so at 8G layer 0's
+    FFN streams split, one matrix per unit: slots of a KDA attention unit, 5.95 + 1.10 = 7.06,
+    and lm_head stays held.)
     """
     cfg, ts = k3
     budget = sz.parse_memory("9G")
@@ -380,7 +451,17 @@ def test_k3_lookahead_keeps_the_routers_of_streamed_layers(k3) -> None:
     msg = str(info.value)
     assert "routers of 92 streamed MoE layers" in msg and "turn router lookahead off" in msg
     assert f"{base:,} B" in msg
-    assert base + 92 * K3_ROUTER > sz.parse_memory("8G")  # lookahead is refused at 8 GiB
+    # with lm_head held and layer 0's FFN one unit lookahead does not fit 8 GiB (7.01 + 1.10);
+    # split, one matrix per unit, it does (5.95 + 1.10), so lm_head stays held
+    held_base = (k3_floor(8192, embed=K3_ROW) + K3_STAGING + k3_work(64)
+                 + 2 * ring_bound(K3_DENSE_FFN, 3) + 17 * EXPERT_SLOT)
+    assert held_base + 92 * K3_ROUTER > sz.parse_memory("8G")
+    held_split = held_base - 2 * ring_bound(K3_DENSE_FFN, 3) + 2 * ring_bound(K3_KDA_ATTN, 8)
+    assert held_split + 92 * K3_ROUTER <= sz.parse_memory("8G")
+    at8 = pl.make_plan(cfg, ts, sz.parse_memory("8G"), 8192, check_machine=False, lookahead=8)
+    check_invariants(at8)
+    assert not at8.head_stream and at8.ffn_split and at8.router_bytes == 92 * K3_ROUTER
+    assert at8.ring_slot_bytes == ring_bound(K3_KDA_ATTN, 8)
     # pinned layers hold their routers anyway: at 64G fewer are counted twice
     big = pl.make_plan(cfg, ts, sz.parse_memory("64G"), 8192, check_machine=False, lookahead=8)
     check_invariants(big)
@@ -581,7 +662,7 @@ def test_cgroup_v2_reader_takes_the_tightest_ancestor(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16384000 kB\nMemFree: 100 kB\n"
                        "MemAvailable:   10240000 kB\nSwapTotal: 0 kB\n")
-    m = sz.read_machine_memory(meminfo, root, proc)
+    m = sz.read_machine_memory(meminfo, root, proc, system="linux")
     assert m.total == 16384000 * 1024 and m.available == 10240000 * 1024
     assert m.limit == min(m.available, cg.headroom)
 
@@ -672,7 +753,8 @@ def test_k3chat_plan_on_tiny_fixture(tiny: Path, tmp_path: Path, capsys, fake_ma
         "expert_cache_bytes": plan["expert_slots"] * plan["expert_slot_bytes"],
         "reader_threads": 8, "direct_io": True, "lookahead": 2, "prefetch": True,
         "trunk_stream": True, "ring_slots": 2, "pinned": plan["pinned_layers"],
-        "embed_stream": True, "prefill_chunk": plan["prefill_chunk"]}
+        "embed_stream": True, "prefill_chunk": plan["prefill_chunk"], "head_block_rows": 0,
+        "ffn_split": False}
 
 
 def test_k3_prompt_expert_bytes_from_uniform_routing(k3) -> None:

@@ -77,8 +77,8 @@ def test_run_remote_against_our_server_answers_as_the_demo_model_and_reuses_the_
     first = json.loads(out1.read_text())
     assert (first["reasoning"], first["answer"]) == (row["reasoning"], row["answer"])
     assert first["prompt_tokens"] == len(row["prompt_ids"])
-    # the server's usage: it does not wait for the end id after the closed response (test_server_openai)
-    assert first["generated_tokens"] == len(row["greedy_ids"]) - 1
+    # the server's usage counts every sampled id, the end id included, as a local turn records
+    assert first["generated_tokens"] == len(row["greedy_ids"])
     assert first["remote"] == server.url + "/v1" and first["model"] == "k3chat-demo"
     assert f"--- reasoning ---\n{row['reasoning']}" in printed.out and row["answer"] in printed.out
     assert "remote model k3chat-demo at " + server.url in printed.err
@@ -169,6 +169,8 @@ def test_a_recorded_vllm_stream_is_shown_and_stored_like_a_local_turn(
     record = HistoryStore().load(doc["session"]).records[-1]
     assert (record["reasoning_content"], record["content"]) == (REASONING, ANSWER)
     assert "interrupted" not in record and record["remote"] == peer.url + "/v1"
+    speed = record["speed"]  # time to the first text and for the whole turn, as a local turn stores them
+    assert 0 < speed["first_token_seconds"] <= speed["turn_seconds"], speed
 
 
 @pytest.mark.timeout(60)
@@ -548,3 +550,31 @@ def test_the_http_client_is_loaded_only_for_remote() -> None:
             "'--prompt', 'x']); assert 'httpx2' not in sys.modules and 'httpx' not in sys.modules; "
             "k3chat.remote.RemoteClient(k3chat.remote.Endpoint('http://h/v1')); assert 'httpx2' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tempfile.gettempdir())
+
+
+@pytest.mark.timeout(60)
+def test_editing_the_last_message_keeps_its_attachments(home: Path, tmp_path: Path) -> None:
+    """RemoteConversation.edit_last keeps the message's files (stored, and sent in its text),
+    as Conversation.edit_last does."""
+    from k3chat.attachments import read_attachment
+    from k3chat.remote import Endpoint, RemoteClient, RemoteConversation
+
+    doc = tmp_path / "lease.txt"
+    doc.write_text("The lease ends on 31 May.\n", encoding="utf-8")
+    attachment = read_attachment(doc)
+    store = HistoryStore()
+    sid = store.create("lease").id
+    with ReplayPeer() as peer:
+        client = RemoteClient(Endpoint(peer.url + "/v1"))
+        try:
+            conv = RemoteConversation(client, MODEL, store, sid, thinking=False)
+            conv.send("When does it end?", attachments=[attachment])
+            conv.edit_last("When does the lease end?")
+        finally:
+            client.close()
+    users = [r for r in HistoryStore().load(sid).records if r["role"] == "user"]
+    assert [u["content"] for u in users] == ["When does the lease end?"]
+    assert users[0]["attachments"] == [attachment.to_record()]
+    sent = peer.requests[-1]["body"]["messages"][-1]
+    assert sent["role"] == "user" and "The lease ends on 31 May." in sent["content"]
+    assert "When does the lease end?" in sent["content"]

@@ -275,3 +275,44 @@ def test_ctrl_c_while_python_imports_k3chat_exits_5_without_a_traceback(tmp_path
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and "interrupted" in err
+
+
+# The last moments of a command: its exit code is known and its handlers are put back, then a
+# signal arrives before the interpreter has exited (a user's second Ctrl-C landing late).
+LATE_SIGNAL = """
+import os, signal, sys
+import k3chat.cli, k3chat.launch
+k3chat.cli.main = lambda: 3  # a command that ended with exit code 3
+code = k3chat.launch.main()
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    os.kill(os.getpid(), sig)
+sys.stderr.write("still here\\n")
+sys.exit(code)
+"""
+
+
+def test_a_signal_after_the_command_returned_keeps_its_exit_code(tmp_path: Path) -> None:
+    driver = tmp_path / "late_signal.py"
+    driver.write_text(LATE_SIGNAL)
+    done = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "K3CHAT_HOME": str(tmp_path / "home")}, cwd=tmp_path)
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "still here" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_small_model_defaults_to_one_thread_and_threads_still_wins() -> None:
+    """Waking a second thread for each of the demo's small matrices made decoding ~5x slower;
+    the default is one thread below SMALL_MODEL_HIDDEN, an explicit --threads is kept."""
+    from k3chat.demo import model_dir
+    from k3chat.runtime import SMALL_MODEL_HIDDEN, open_model
+
+    opened = open_model(model_dir(), memory="auto", context=256, tokenizer=False)
+    try:
+        assert opened.model.config.hidden < SMALL_MODEL_HIDDEN and opened.threads == 1
+    finally:
+        opened.model.close()
+    opened = open_model(model_dir(), memory="auto", context=256, tokenizer=False, threads=2)
+    try:
+        assert opened.threads == 2
+    finally:
+        opened.model.close()

@@ -85,8 +85,8 @@ def test_chat_answer_and_reasoning_are_separate_and_match_the_recorded_run(clien
         assert row["reasoning"] not in message.content
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.prompt_tokens == len(row["prompt_ids"])
-    # the end id after the closed response is not waited for: one fewer than recorded
-    assert reply.usage.completion_tokens == len(row["greedy_ids"]) - 1
+    # every sampled id counts, the end id after the closed response included, as recorded
+    assert reply.usage.completion_tokens == len(row["greedy_ids"])
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
 

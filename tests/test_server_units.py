@@ -149,9 +149,74 @@ def test_another_host_needs_a_key_and_is_refused_before_opening(capsys: pytest.C
     assert code == 2 and "--api-key-file" in err and "Planning memory" not in err
 
 
-def test_speculative_is_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = _serve(["--demo", "--speculative", "4"], capsys)
-    assert code == 2 and "--speculative is not built yet" in err
+@pytest.mark.parametrize("value", ["-1", "65", "four"])
+def test_a_bad_speculative_value_is_refused_before_opening(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    code, err = _serve(["--demo", "--speculative", value], capsys)
+    assert code == 2 and "--speculative" in err and "drafted tokens" in err and "Planning memory" not in err
+
+
+def _worker_answers(model_dir: Path, speculative: int, sampler: object) -> tuple[list[object], bytes, list[int]]:
+    """Two chat jobs on one worker (repeat-after-me: the demo model quotes the prompt, so drafts
+    get verified): the outcomes, the engine state the worker holds afterwards, and its draft
+    counters."""
+    import threading
+
+    from k3chat.server.worker import EngineWorker, Failed, Job, JobEvent, Outcome
+    from k3chat.template import encode, render
+    from k3chat.tokenizer import Tokenizer
+    from k3engine.model import Model
+
+    model = Model(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    worker = EngineWorker(model, tok, context=256, pool_budget=0, state_size=lambda n: 0, speculative=speculative)
+    worker.start()
+    outcomes: list[object] = []
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Repeat after me: the old map shows a river."}]
+    try:
+        for turn in (1, 2):
+            prompt = encode(render(messages, thinking=False, effort=None, add_generation_prompt=True), tok)
+            done = threading.Event()
+            got: list[JobEvent] = []
+
+            def emit(event: JobEvent) -> None:
+                if isinstance(event, (Outcome, Failed)):
+                    got.append(event)
+                    done.set()
+
+            worker.submit(Job(prompt=prompt, sampler=sampler, max_tokens=40, emit=emit,  # type: ignore[arg-type]
+                              thinking=False, turn=turn))
+            assert done.wait(120), "the worker did not answer"
+            outcome = got[0]
+            assert isinstance(outcome, Outcome), outcome
+            outcomes.append(outcome)
+            messages += [{"role": "assistant", "content": outcome.content},
+                         {"role": "user", "content": "Say this back to me exactly: a small boat is on the lake."}]
+        assert worker._session is not None
+        state = bytes(worker._session.export_state())  # the worker thread is idle between jobs
+    finally:
+        worker.stop_after_step()
+        worker.close()
+        model.close()
+    return outcomes, state, [worker.drafts_proposed, worker.drafts_accepted]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_serve_speculative_answers_equal_serial_answers(seeded: bool) -> None:
+    from k3chat.demo import model_dir
+    from k3chat.sampler import SamplerSettings
+
+    demo = model_dir()
+    sampler = (SamplerSettings(greedy=False, temperature=0.7, top_k=6, seed=99) if seeded else SamplerSettings())
+    serial, serial_state, none = _worker_answers(demo, 0, sampler)
+    assert none == [0, 0]
+    proposed = 0
+    for n in (1, 4, 8):
+        fast, state, drafts = _worker_answers(demo, n, sampler)
+        assert fast == serial, f"--speculative {n} changed an answer"
+        assert state == serial_state, f"--speculative {n}: the engine state after the answers differs"
+        assert 0 <= drafts[1] <= drafts[0]
+        proposed += drafts[0]
+    assert proposed > 0, "no draft was verified: the test would not exercise speculation"
 
 
 def test_demo_and_model_dir_together_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

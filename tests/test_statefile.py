@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from k3chat import paths, statefile
+from k3chat import statefile
+from k3engine import private_files
 from k3chat.statefile import StateFileError, load_state, model_fingerprint, save_state
 
 FP = model_fingerprint(b'{"model_type": "kimi_k3"}', b'{"weight_map": {}}')
@@ -108,7 +109,7 @@ def test_failed_save_keeps_the_old_file(saved: Path, monkeypatch: pytest.MonkeyP
     def no_space(fd: int, data: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(paths, "write_all", no_space)
+    monkeypatch.setattr(private_files, "write_all", no_space)  # the one writer, under paths
     with pytest.raises(OSError):
         save_state(saved, b"new" * 100, fingerprint=FP, n_tokens=9)
     monkeypatch.undo()

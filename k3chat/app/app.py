@@ -40,16 +40,20 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Input, TextArea
 
+from k3chat.attachments import Attachment, AttachmentError, read_attachment, token_count
 from k3chat.events import AnswerToken, ReasoningToken, Stats
+from k3chat.context_fit import ContextAdvice, advise, memory_text
 from k3chat.conversation import ContextOverflow, Conversation, ConversationError, TurnFailed, sampler_settings
 from k3chat.history import AmbiguousSession, HistoryError, HistoryStore, SessionInfo, display_name, open_store
 from k3chat.demo import DISPLAY_NAME as DEMO_NAME
 from k3chat.demo import banner as demo_banner
 from k3chat.demo import model_dir as demo_model_dir
+from k3chat.restart import Draft, RestartRequest, take_draft
 from k3chat.runtime import AFTER_STEP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, Failure, StopPolicy
 from k3chat.settings import Settings
 
 from .engine import Engine, EngineFactory, open_engine, plan_summary
+from .screens.attach import AttachScreen
 from .screens.chat import ChatScreen
 from .screens.dialogs import AskScreen, ConfirmScreen
 from .screens.help import HelpScreen
@@ -162,7 +166,7 @@ class K3ChatApp(App[int]):
     def __init__(self, model_dir: Path | None, *, settings: Settings, demo: bool,
                  engine_factory: EngineFactory, session: SessionInfo | None = None,
                  new_session_name: str | None = None, store: HistoryStore | None = None,
-                 thinking_given: bool = False) -> None:
+                 thinking_given: bool = False, sampler_given: frozenset[str] = frozenset()) -> None:
         teach_alt_enter()
         super().__init__()
         self.settings = settings
@@ -174,11 +178,15 @@ class K3ChatApp(App[int]):
         self.pending_name = new_session_name
         self.reasoning_display = settings.reasoning_display if settings.reasoning_display in DISPLAY_MODES else "auto"
         self.markdown = True
+        self.vim_keys = settings.vim_keys  # j/k, g/G in the transcript (config.toml; the palette for this run)
         self.thinking = settings.thinking  # this session's (status bar, palette); kept in its history
         self.effort = settings.effort
         # A session starts with the launch settings; one given on the command line also
         # overrides what the session resumed at launch had stored.
         self._thinking_given = thinking_given
+        # Sampler fields given on the command line: they win over every resumed session's
+        # stored ones for this run, and are not stored (the settings dialog stores).
+        self._sampler_given = sampler_given
         self.chat_settings = settings  # this session's sampler and max tokens (settings dialog, ctrl+o)
         self.system_prompt = ""  # this session's (sent with its first message)
         self._next_system: str | None = None  # chosen in a started session: for the next new one
@@ -209,6 +217,9 @@ class K3ChatApp(App[int]):
         self._job_done.set()
         self._chat: ChatScreen
         self._theme_kept = ""  # the theme in use that needs no saving
+        self._sent_chips: list[tuple[Attachment, int | None]] = []  # the last message's files, until it is taken
+        self.attach_events: list[str] = []  # each file attached or refused (tests wait on it)
+        self.restart: RestartRequest | None = None  # set when the user chose to start again with a larger context
 
     # ------------------------------------------------------------------ setup
 
@@ -261,6 +272,24 @@ class K3ChatApp(App[int]):
         chat.status.set_model("opening the model", "")
         chat.show_progress("Opening the demo model" if self.demo else f"Opening {self.model_dir}")
         threading.Thread(target=self._load, name="k3chat-open", daemon=True).start()
+        self.run_worker(self._restore_draft(), exit_on_error=False, name="restore-draft")
+
+    async def _restore_draft(self) -> None:
+        """The message a restart for a larger context carried over (k3chat.restart): back in
+        the input with its files, and the draft file deleted."""
+        try:
+            draft = take_draft(self.store.vault)
+        except ValueError as exc:
+            self.say(str(exc), error=True)
+            return
+        if draft is None:
+            return
+        self.chat.prompt.restore(draft.text)
+        tokens = list(draft.tokens) + [None] * (len(draft.attachments) - len(draft.tokens))
+        chips = [(Attachment.from_record(entry), count) for entry, count in zip(draft.attachments, tokens)]
+        if chips:
+            await self.chat.attachment_bar.set_attachments(chips)
+        self.say("Your message is back in the input: enter sends it")
 
     # ------------------------------------------------------------------ thread plumbing
 
@@ -388,6 +417,7 @@ class K3ChatApp(App[int]):
         conv = make(engine.model, engine.tokenizer, store, session_id,
                             thinking=self.thinking, effort=self.effort, max_tokens=s.max_tokens,
                             context=engine.context, model_name=engine.model_dir.name,
+                            speculative=s.speculative,  # the remote factory leaves it to its server
                             **engine.conversation_options)
         conv.sampler = sampler_settings(sampling=s.sampling, temperature=s.temperature, top_p=s.top_p,
                                         top_k=s.top_k, seed=s.seed, records=conv.records)
@@ -411,10 +441,24 @@ class K3ChatApp(App[int]):
             note = self._adopt_session_thinking(conv)
             own, refused = self._adopt_session_sampler(conv)
             held = self._held(conv)
+            stopped = self._held_prompt(conv)
         except Exception as exc:  # HistoryError, OSError, a refused context...: said, never fatal
             self._ui(self._session_failed, f"cannot open the session: {exc}")
             return
-        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own)
+        self._ui(self._session_loaded, conv, held, "\n".join(n for n in (note, refused) if n) or None, own, stopped)
+
+    @staticmethod
+    def _held_prompt(conv: Conversation) -> tuple[int, int, str | None] | None:
+        """Thread: what a stopped prefill of the unanswered last message left in the saved
+        state (Conversation.held_prompt; the remote backend has none), never raising."""
+        find = getattr(conv, "held_prompt", None)
+        if find is None:
+            return None
+        try:
+            return find()
+        except Exception as exc:  # the next turn reads the prompt from the start, and says why
+            log.warning("the saved state of the unanswered message was not read: %s", exc)
+            return None
 
     def _adopt_session_thinking(self, conv: Conversation) -> str | None:
         """Thread: give ``conv`` its session's thinking setting (so the prompt, and the saved
@@ -439,14 +483,25 @@ class K3ChatApp(App[int]):
         """Thread: give ``conv`` its session's sampler and max tokens (stored by the settings
         dialog), checked as the command line checks them; the launch values and a note when a
         stored value is refused."""
+        stored = {k: v for k, v in conv.session_settings.items() if k not in self._sampler_given}
         try:
-            own = with_session_values(self.settings, conv.session_settings)
+            own = with_session_values(self.settings, stored)
         except Exception as exc:
             own, note = self.settings, f"this session's stored settings were refused ({exc}); the launch settings are used"
         else:
-            note = None
+            note = self._command_line_note(conv.session_settings, own)
         self._give_sampler(conv, own)
         return own, note
+
+    def _command_line_note(self, stored: Mapping[str, Any], own: Settings) -> str | None:
+        """What the command line changed of a session's stored sampler, said once it is open."""
+        mine = session_values(own)
+        changed = [name for name in sorted(self._sampler_given) if name in stored and stored[name] != mine[name]]
+        if not changed:
+            return None
+        what = ", ".join(f"{name.replace('_', '-')} {mine[name]} (stored: {stored[name]})" for name in changed)
+        return (f"From the command line for this run: {what}. The session keeps its stored settings; "
+                "ctrl+o stores new ones.")
 
     @staticmethod
     def _give_sampler(conv: Conversation, own: Settings) -> None:
@@ -461,7 +516,8 @@ class K3ChatApp(App[int]):
         self.chat.show_notice(message, error=True)
 
     async def _session_loaded(self, conv: Conversation, held: int | None, note: str | None = None,
-                              own: Settings | None = None) -> None:
+                              own: Settings | None = None,
+                              stopped: tuple[int, int, str | None] | None = None) -> None:
         self.loading_session = False
         if self._quitting:
             conv.close()
@@ -487,9 +543,32 @@ class K3ChatApp(App[int]):
         notes = [f"damaged history line skipped: {p}" for p in conv.load_problems]
         if note:
             notes.append(note)
-        if conv.pending_user:
-            notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it, ctrl+e edits it.")
+        if stopped is not None and stopped[2]:
+            notes.append(stopped[2])  # why the saved state was refused
+        ask = conv.pending_user and stopped is not None and stopped[0] > 0
+        if ask:
+            assert stopped is not None
+            read, total, _ = stopped
+            notes.append(f"The last message has no answer (k3chat was stopped while it read the prompt): ctrl+r "
+                         f"continues reading it ({total - read:,} of {total:,} tokens left), ctrl+e edits it.")
+        elif conv.pending_user:
+            notes.append("The last message has no answer (k3chat was stopped): ctrl+r answers it (a prompt stopped "
+                         "while it was read continues from where it stopped), ctrl+e edits it.")
         chat.show_notice("\n".join(notes), error=bool(conv.load_problems))
+        if ask:
+            assert stopped is not None
+            self._ask_to_continue(*stopped[:2])
+
+    def _ask_to_continue(self, read: int, total: int) -> None:
+        """A session whose prefill was stopped: continue it now (as ctrl+r), or leave it."""
+        question = f"Continue reading the prompt? {total - read:,} of {total:,} tokens left (held: {read:,})"
+
+        async def chosen(yes: bool | None) -> None:
+            if yes and self.conv is not None and self.conv.pending_user:
+                self.chat.clear_notice()
+                await self.action_regenerate()
+
+        self.push_screen(ConfirmScreen(question, yes="Continue", no="Later"), chosen)
 
     def _close_conversation(self) -> None:
         """Leave the session (a switch, a new session, the end): its engine state is saved
@@ -564,7 +643,8 @@ class K3ChatApp(App[int]):
         return True
 
     async def submit(self, text: str) -> None:
-        """A message from the box (already emptied by it: keys typed since stay there)."""
+        """A message from the box (already emptied by it: keys typed since stay there), with
+        the files attached to it (their chips are cleared, and put back if it is refused)."""
         if not self._can_start():
             self.chat.prompt.restore(text)
             return
@@ -574,7 +654,48 @@ class K3ChatApp(App[int]):
             return
         chat = self.chat
         chat.clear_notice()
-        await self._start_turn("send", text)
+        bar = chat.attachment_bar
+        self._sent_chips = [(chip.attachment, chip.tokens) for chip in bar.chips]
+        await bar.clear()
+        await self._start_turn("send", text, attachments=[a for a, _ in self._sent_chips])
+
+    # ------------------------------------------------------------------ attachments
+
+    def action_attach(self) -> None:
+        if isinstance(self.screen, AttachScreen):
+            return
+        self.push_screen(AttachScreen(Path.cwd()))
+
+    def on_attach_screen_chosen(self, message: AttachScreen.Chosen) -> None:
+        self.run_worker(partial(self._read_attachment, message.path), thread=True, group="attach",
+                        exit_on_error=False, name="attach")
+
+    def _read_attachment(self, path: Path) -> None:
+        """Thread: read and count a chosen file (a PDF or a long file takes a while)."""
+        try:
+            attachment = read_attachment(path)
+        except AttachmentError as exc:
+            self._ui(self._attach_failed, exc.message)
+            return
+        except Exception as exc:  # never a crash: say it
+            log.exception("attachment failed")
+            self._ui(self._attach_failed, f"cannot attach {path}: {type(exc).__name__}: {exc}")
+            return
+        tokenizer = self.tokenizer
+        tokens = token_count(attachment, tokenizer) if tokenizer is not None else None
+        self._ui(self._attached, attachment, tokens)
+
+    async def _attached(self, attachment: Attachment, tokens: int | None) -> None:
+        await self.chat.attachment_bar.add(attachment, tokens)
+        self.chat.clear_notice()
+        note = f" ({'; '.join(attachment.notes)})" if attachment.notes else ""
+        self.say(f"Attached {attachment.name}{note}: it goes with your next message")
+        self.attach_events.append(attachment.name)
+
+    def _attach_failed(self, message: str) -> None:
+        self.chat.show_notice(message, error=True)
+        self.say(message, error=True)
+        self.attach_events.append(message)
 
     async def submit_edit(self, text: str) -> None:
         chat = self.chat
@@ -584,7 +705,7 @@ class K3ChatApp(App[int]):
         draft = chat.stop_edit(restore=False)
         if draft:
             chat.prompt.restore(draft)  # what was in the box before ctrl+e comes back
-        await self._start_turn("edit", text)
+        await self._start_turn("edit", text, shown=self._last_user_attachments())
 
     async def action_regenerate(self) -> None:
         if not self._can_start():
@@ -625,16 +746,26 @@ class K3ChatApp(App[int]):
             return
         self.chat.start_edit(str(users[-1].get("content", "")))
 
-    async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None) -> None:
+    def _last_user_attachments(self) -> list[dict[str, Any]]:
+        """The history entries of the last message's files (an edited message keeps them)."""
+        users = [r for r in (self.conv.records if self.conv is not None else []) if r.get("role") == "user"]
+        return list(users[-1].get("attachments") or []) if users else []
+
+    async def _start_turn(self, kind: str, text: str | None, *, sampler: Any = None,
+                          attachments: Sequence[Attachment] = (),
+                          shown: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """``shown``: the files to draw with the message when they are not sent anew (an edit)."""
         self.busy = True
         self._stop = StopPolicy(exit_now=self._force_exit)
         self._armed_at = None
         self._job_done.clear()
-        await self.chat.begin_turn(kind, text, thinking=self.thinking)
-        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler), thread=True, group="turn",
-                                            exit_on_error=False, name=f"turn:{kind}")
+        drawn = [a.to_record() for a in attachments] if shown is None else list(shown)
+        await self.chat.begin_turn(kind, text, thinking=self.thinking, attachments=drawn)
+        self._turn_worker = self.run_worker(partial(self._turn_job, kind, text, sampler, attachments), thread=True,
+                                            group="turn", exit_on_error=False, name=f"turn:{kind}")
 
-    def _turn_job(self, kind: str, text: str | None, sampler: Any = None) -> None:
+    def _turn_job(self, kind: str, text: str | None, sampler: Any = None,
+                  attachments: Sequence[Attachment] = ()) -> None:
         """Thread: one turn (``sampler``: for this turn only, else the session's). Every outcome
         reaches the UI; nothing is raised from here."""
         created: SessionInfo | None = None
@@ -646,7 +777,8 @@ class K3ChatApp(App[int]):
                 assert engine is not None and text is not None
                 store = HistoryStore(self.store.root, vault=self.store.vault)
                 # a name made from the message is numbered when taken ("hello (2)"): names stay unique
-                created = store.create(self.pending_name or session_name(text), model=engine.model_dir.name,
+                named = text or (attachments[0].name if attachments else "")
+                created = store.create(self.pending_name or session_name(named), model=engine.model_dir.name,
                                        numbered=self.pending_name is None)
                 if (self.thinking, self.effort) != (self.settings.thinking, self.settings.effort):
                     store.set_settings(created.id, {"thinking": self.thinking, "effort": self.effort})
@@ -660,7 +792,7 @@ class K3ChatApp(App[int]):
             if kind == "send":
                 assert text is not None
                 system = self.system_prompt if self.system_prompt.strip() and not conv.records else None
-                conv.send(text, system=system, on_event=emit)
+                conv.send(text, system=system, attachments=attachments, on_event=emit)
             elif kind == "edit":
                 assert text is not None
                 conv.edit_last(text, on_event=emit)
@@ -671,7 +803,8 @@ class K3ChatApp(App[int]):
         except (ContextOverflow, ConversationError) as exc:
             if created is not None:
                 self._drop_created(conv, created)
-            self._ui(self._turn_refused, kind, text, str(exc))
+            advice = self._fit_advice(exc)
+            self._ui(self._turn_refused, kind, text, self._refusal_text(exc, advice), advice)
         except TurnFailed as exc:
             self._ui(self._turn_error, str(exc))
         except HistoryError as exc:
@@ -737,7 +870,26 @@ class K3ChatApp(App[int]):
         await self._flush_streamed()
         await self.chat.turn_event(event)
 
-    async def _turn_refused(self, kind: str, text: str | None, message: str) -> None:
+    def _fit_advice(self, exc: Exception) -> ContextAdvice | None:
+        """Thread: for a message that does not fit, the context and the memory that would hold
+        it (k3chat.context_fit, as `k3chat run` says it); None for any other refusal."""
+        engine = self.engine
+        if not isinstance(exc, ContextOverflow) or engine is None or engine.memory == "remote":
+            return None
+        plan = engine.plan
+        return advise(exc, engine.model_dir, lookahead=plan.lookahead if plan is not None else 0,
+                      process_bytes=plan.process_bytes if plan is not None else 0)
+
+    def _refusal_text(self, exc: Exception, advice: ContextAdvice | None) -> str:
+        """Why a turn was refused, with the advice's numbers when there are some."""
+        engine = self.engine
+        if advice is None or engine is None:
+            return str(exc)
+        return advice.message(engine.model_dir).replace("run again with --context",
+                                                        "start k3chat again with --context")
+
+    async def _turn_refused(self, kind: str, text: str | None, message: str,
+                            advice: ContextAdvice | None = None) -> None:
         chat = self.chat
         await chat.show_history(self.conv.records if self.conv is not None else [])
         if text is not None and kind in ("send", "edit"):
@@ -745,9 +897,36 @@ class K3ChatApp(App[int]):
                 chat.start_edit(text)
             else:
                 chat.prompt.restore(text)
+                if self._sent_chips:  # the files go back with the text
+                    await chat.attachment_bar.set_attachments(self._sent_chips)
         chat.show_notice(message, error=True)
         if self.conv is not None:
             chat.status.set_context(self._held(self.conv), self.conv.context)
+        if kind == "send" and advice is not None and advice.suggested is not None:
+            self._offer_restart(advice)
+
+    def _offer_restart(self, advice: ContextAdvice) -> None:
+        """Ask to start this session again with the context (and memory) that holds the message;
+        yes saves and exits with a restart request (k3chat.restart), the message kept."""
+        assert advice.suggested is not None
+        memory = memory_text(advice.memory) if advice.memory is not None else None
+        plan = getattr(self.engine, "plan", None) if self.engine is not None else None
+        if memory is not None and plan is not None and plan.budget >= (advice.memory or 0):
+            memory = None  # the budget in use already holds it: keep the user's --memory
+        question = (f"Restart this session with context {advice.suggested:,}"
+                    + (f" (memory {memory})" if memory is not None else "") + "?")
+
+        async def chosen(yes: bool | None) -> None:
+            if not yes or self.busy or self._quitting:
+                return
+            chips = self.chat.attachment_bar.chips
+            draft = Draft(self.chat.prompt.text, tuple(chip.attachment.to_record() for chip in chips),
+                          tuple(chip.tokens for chip in chips))
+            session = self.session.id if self.session is not None else self.pending_name
+            self.restart = RestartRequest(session, advice.suggested or 0, memory, draft)
+            await self._save_and_quit(None)
+
+        self.push_screen(ConfirmScreen(question, yes="Restart", no="No"), chosen)
 
     def _turn_error(self, message: str) -> None:
         self.chat.show_notice(message, error=True)
@@ -795,9 +974,14 @@ class K3ChatApp(App[int]):
         if self.busy:
             if self._stop_turn() == AFTER_STEP:
                 self._armed_at = now
-                self.chat.status.set_phase("stopping after the step in flight")
-                self.say("Stopping after the step in flight; the partial answer is kept. "
-                         "ctrl+c again saves and quits.")
+                if self.chat.prefilling:
+                    self.chat.status.set_phase("stopping at the next chunk of the prompt")
+                    self.say("Stopping at the next chunk of the prompt; the message and what was read are kept. "
+                             "ctrl+c again saves and quits.")
+                else:
+                    self.chat.status.set_phase("stopping after the step in flight")
+                    self.say("Stopping after the step in flight; the partial answer is kept. "
+                             "ctrl+c again saves and quits.")
             else:  # the second ctrl+c stopped the step in flight as well: save, quit
                 await self._save_and_quit(None)
             return
@@ -1129,6 +1313,14 @@ class K3ChatApp(App[int]):
             block.set_mode(mode)
         self.say(f"Reasoning blocks: {mode}")
 
+    def toggle_vim_keys(self) -> None:
+        self.vim_keys = not self.vim_keys
+        if self.vim_keys:
+            self.say("Vim-style movement on for this run: j/k next/previous block, g/G first/last, when a block "
+                     "has the focus (tab). vim_keys = true in config.toml keeps it on.")
+        else:
+            self.say("Vim-style movement off")
+
     async def toggle_markdown(self) -> None:
         if self.busy:
             self.say("change the answer format after this answer", warning=True)
@@ -1166,6 +1358,8 @@ class K3ChatApp(App[int]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Sessions", "Browse, search, resume, rename, delete, export (ctrl+s)", self.action_sessions)
+        yield SystemCommand("Attach file...", "Add a file to the next message: text, Markdown, code, CSV/TSV, JSON "
+                            "or PDF (ctrl+l)", self.action_attach)
         yield SystemCommand("New session", "Start an empty conversation (ctrl+n)", self.action_new_session)
         yield SystemCommand("Help", "Every key (f1)", self.action_help)
         yield SystemCommand("Session settings", "System prompt, sampling, temperature, top-p, top-k, seed, max tokens "
@@ -1185,6 +1379,9 @@ class K3ChatApp(App[int]):
                 "auto": "Open while thinking, folded when the answer starts",
                 "hidden": "Do not show reasoning"}[mode], partial(self.set_reasoning_display, mode))
         yield SystemCommand("Answers: Markdown / plain text", "Switch how answers are drawn", self.toggle_markdown)
+        yield SystemCommand(f"Vim-style movement: {'off' if self.vim_keys else 'on'}",
+                            "j/k, g/G between blocks of the transcript (for this run; vim_keys in config.toml)",
+                            self.toggle_vim_keys)
         yield SystemCommand("View last reasoning", "Full screen, with search (v on a block)", self.view_last_reasoning)
         yield SystemCommand("Copy last answer", "To the clipboard", self.copy_last_answer)
         yield SystemCommand("Export this session", "Markdown, JSON or JSONL, private file", self.export_current)
@@ -1193,12 +1390,14 @@ class K3ChatApp(App[int]):
 def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = False,
               engine_factory: EngineFactory | None = None, session: str | None = None,
               memory: str | None = None, threads: int | None = None, context: int | None = None,
-              store: HistoryStore | None = None, thinking_given: bool = False) -> K3ChatApp:
+              store: HistoryStore | None = None, thinking_given: bool = False,
+              sampler_given: frozenset[str] = frozenset()) -> K3ChatApp:
     """The app for ``model_dir`` (or the demo model). ``session`` is an id or a name: resumed if
     it exists, else the name of the session the first message creates. ``engine_factory``
     replaces the way the model is opened (tests); the default plans ``memory`` and opens it.
     ``thinking_given``: the settings' thinking came from the command line, so it overrides
-    the one the resumed session has stored."""
+    the one the resumed session has stored. ``sampler_given``: the Settings fields of the
+    sampler the command line gave; they win over every resumed session's stored ones."""
     if model_dir is None and not demo:
         raise AppUsageError("MODEL_DIR is required (or --demo, or `model` in config.toml)")
     if demo:
@@ -1218,7 +1417,7 @@ def build_app(model_dir: str | Path | None, *, settings: Settings, demo: bool = 
     return K3ChatApp(Path(model_dir) if model_dir is not None else None, settings=settings, demo=demo,
                      engine_factory=engine_factory, session=info,
                      new_session_name=session if info is None else None, store=store,
-                     thinking_given=thinking_given)
+                     thinking_given=thinking_given, sampler_given=sampler_given)
 
 
 def _default_factory(model_dir: Path, settings: Settings, progress: Callable[[str], None], *,

@@ -78,7 +78,7 @@ def open_engine(model_dir: Path, settings: Settings, progress: Progress, *, memo
 
     memory = memory or settings.memory
     opened = open_model(model_dir, memory=memory, context=context or DEFAULT_CONTEXT, threads=threads,
-                        progress=progress)
+                        progress=progress, speculative=settings.speculative)
     # N_ctx: the context the memory plan was made for (the Conversation must not outgrow it)
     planned = opened.context if opened.plan is not None else context
     return Engine(model=opened.model, tokenizer=opened.tokenizer, model_dir=Path(model_dir), name=Path(model_dir).name,

@@ -64,6 +64,13 @@ class Service:
     context: int
     api_key: bytes | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    plan_bytes: int | None = None  # the memory plan's total, None when run without a plan
+
+    def memory(self) -> dict[str, int | None]:
+        """What /health tells an operator about memory: the process's peak against the plan."""
+        stats = self.worker.model.stats()
+        return {"peak_rss_bytes": stats.get("peak_rss_bytes"), "plan_bytes": self.plan_bytes,
+                "expert_slots": stats.get("expert_slots"), "cache_evictions": stats.get("cache_evictions")}
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -292,7 +299,8 @@ def routes(service: Service) -> list[Route]:
         worker = service.worker
         return JSONResponse({"status": "ok", "model": service.model_id, "busy": worker.busy,
                              "waiting": worker.waiting, "served": worker.served, "cancelled": worker.cancelled,
-                             "saved_states": len(worker.pool), "saved_state_bytes": worker.pool.bytes})
+                             "saved_states": len(worker.pool), "saved_state_bytes": worker.pool.bytes,
+                             "memory": service.memory()})
 
     return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from k3engine.limits import speculative_arg
 
 from ..runtime import Failure, StopPolicy, open_model, say
 
@@ -55,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
     p.add_argument("--queue", type=_positive, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
-    p.add_argument("--speculative", type=_positive, default=None, metavar="N",
-                   help="speculative decoding (not built yet: refused)")
+    p.add_argument("--speculative", type=speculative_arg, default=None, metavar="N",
+                   help="exact speculative decoding: verify up to N tokens drafted from each conversation in "
+                        "one pass (0 = off; default: config.toml, else 0); answers are the same")
 
 
 def _positive(text: str) -> int:
@@ -144,6 +146,16 @@ def _memory(args: argparse.Namespace) -> str:
         raise Failure(str(exc), EXIT_USAGE) from None
 
 
+def _speculative_setting(args: argparse.Namespace) -> int:
+    from ..settings import SettingsError, load_settings
+    if args.speculative is not None:
+        return int(args.speculative)
+    try:
+        return load_settings().speculative
+    except SettingsError as exc:
+        raise Failure(str(exc), EXIT_USAGE) from None
+
+
 def _context(args: argparse.Namespace, model_dir: Path) -> int:
     from ..conversation import default_context, model_max_positions
     if args.context is None:
@@ -156,9 +168,6 @@ def _context(args: argparse.Namespace, model_dir: Path) -> int:
 
 
 def _check_binding(args: argparse.Namespace) -> bytes | None:
-    if args.speculative is not None:
-        raise Failure("--speculative is not built yet; serve without it (answers are the same, only slower)",
-                      EXIT_USAGE)
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     if not is_loopback(args.host):
         if key is None:
@@ -244,8 +253,10 @@ def serve(args: argparse.Namespace) -> int:
     model_dir, model_id = _model_dir(args)
     memory = _memory(args)
     context = _context(args, model_dir)
+    args.speculative = _speculative_setting(args)
     policy = StopPolicy(exit_now=_exit_now)
-    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say)
+    opened = open_model(model_dir, memory=memory, context=context, threads=args.threads, progress=say,
+                        speculative=args.speculative)
     try:
         return _serve_opened(args, opened, model_id, context, key, policy)
     finally:
@@ -264,16 +275,19 @@ def _serve_opened(args: argparse.Namespace, opened: Any, model_id: str, context:
     cfg = load_config(opened.model_dir)
     worker = EngineWorker(opened.model, opened.tokenizer, context=context,
                           pool_budget=_pool_budget(opened, cfg, context),
-                          state_size=lambda n: snapshot_bytes(cfg, n), queue_limit=args.queue)
+                          state_size=lambda n: snapshot_bytes(cfg, n), queue_limit=args.queue,
+                          speculative=args.speculative)
     policy.bind(after_step=worker.stop_after_step, abort_step=worker.abort_step)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(Service(worker, opened.tokenizer, model_id, context, key)),
+    config = uvicorn.Config(create_app(Service(worker, opened.tokenizer, model_id, context, key,
+                                                      plan_bytes=opened.plan.total if opened.plan else None)),
                             log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=30)
     server = _server_class()(config, policy)
     worker.start()
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    say(f"serving {model_id} on http://{shown}:{port}/v1 (OpenAI API; context {context}, "
+    drafts = f", speculative {args.speculative}" if args.speculative else ""
+    say(f"serving {model_id} on http://{shown}:{port}/v1 (OpenAI API; context {context}{drafts}, "
         f"{'API key required' if key else 'no API key'}); Ctrl-C or SIGTERM stops")
     try:
         server.run(sockets=[sock])

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from k3chat.engine_api import EngineModel, EngineSession
+from k3chat.engine_api import EngineModel, EngineSession, VerifyingSession
 from k3chat.sampler import Sampler, SamplerError, SamplerSettings
+from k3chat.speculative import Speculator
 from k3chat.template import Grammar, StreamParser
 from k3chat.tokenizer import Tokenizer
 
@@ -138,8 +139,9 @@ class EngineWorker:
     """One thread owns the engine session; jobs run one at a time in arrival order."""
 
     def __init__(self, model: EngineModel, tokenizer: Tokenizer, *, context: int, pool_budget: int,
-                 state_size: Callable[[int], int], queue_limit: int = 8) -> None:
+                 state_size: Callable[[int], int], queue_limit: int = 8, speculative: int = 0) -> None:
         self.model = model
+        self.speculative = speculative  # drafted tokens verified per pass (0: off); answers are the same
         self.tokenizer = tokenizer
         self.grammar = Grammar(tokenizer)
         self.context = context
@@ -154,6 +156,8 @@ class EngineWorker:
         self.cut_short = 0  # answers ended early because the server was stopped
         self.cancelled = 0  # generations stopped because their client went away
         self.served = 0  # answers sent in full (stop or length)
+        self.drafts_proposed = 0  # speculative decoding, over every answer
+        self.drafts_accepted = 0
         self._session: EngineSession | None = None
         self._live: list[int] | None = None  # ids the session holds; None: unknown (tainted)
         self._thread = threading.Thread(target=self._loop, name="k3chat-engine", daemon=True)
@@ -361,6 +365,22 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ sampling
 
+    def _speculator(self, job: Job) -> Speculator | None:
+        session = self._session
+        if self.speculative <= 0 or not isinstance(session, VerifyingSession) or not self._live_usable():
+            return None
+
+        def fed(ids: Sequence[int]) -> None:
+            assert self._live is not None
+            self._live.extend(int(i) for i in ids)
+
+        def lost() -> None:
+            self._live = None
+
+        return Speculator(session, self._live or [], limit=self.speculative, stop_ids=self.grammar.end_ids,
+                          feed=lambda ids: self._feed(ids, job.engine_cancel), fed=fed, lost=lost,
+                          cancel=job.engine_cancel)
+
     def _should_stop(self, job: Job) -> bool:
         return job.gone.is_set() or self._stopping
 
@@ -375,10 +395,14 @@ class EngineWorker:
         decoder = self.tokenizer.stream_decoder() if parser is None else None
         generated = 0
         finish = ""
+        spec = self._speculator(job)
         while not finish:
             token = int(sampler.sample(logits))
             generated += 1
+            if spec is not None:
+                spec.sampled(token)
             if parser is not None:
+                was_closed = parser.closed
                 if parser.channel == "reasoning":
                     out.reasoning_tokens += 1
                 for channel, text in parser.push(token):
@@ -386,6 +410,10 @@ class EngineWorker:
                         finish = "stop"
                         break
                 ended = token in self.grammar.end_ids or parser.channel == "done"
+                if ended and parser.closed and not was_closed and token not in self.grammar.end_ids:
+                    # One more step samples the end id after CLOSURE, as a local turn does: the
+                    # strict parse needs it, and usage then counts what history records.
+                    ended = generated >= job.max_tokens
             else:
                 ended = self.tokenizer.is_special(token)
                 if not ended and decoder is not None and emit_text("content", decoder.push(token)):
@@ -400,9 +428,16 @@ class EngineWorker:
                 finish = "abort"
             else:
                 try:
-                    logits = self._feed([token], job.engine_cancel)
+                    if spec is not None:
+                        logits = spec.next_logits(token, room=job.max_tokens - generated)
+                    else:
+                        logits = self._feed([token], job.engine_cancel)
                 except Cancelled:
                     finish = "abort"
+        if spec is not None:
+            spec.settle()  # the verified positions the sampler went through; the rest is dropped
+            self.drafts_proposed += spec.proposed
+            self.drafts_accepted += spec.accepted
         if not out.stopped:  # the text held back for a delimiter or a stop string that never came
             tail = parser.finish() if parser is not None else [("content", decoder.flush() if decoder else "")]
             for channel, text in tail:

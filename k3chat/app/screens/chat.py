@@ -17,9 +17,11 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Markdown, ProgressBar, Static
 
-from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone
+from k3chat.events import AnswerToken, Notice, PhaseChanged, Prefill, PrefillProgress, ReasoningToken, Stats, TurnDone
+from k3chat.progress import progress_figures
 
-from ..text import literal
+from ..text import literal, one_line
+from ..widgets.attachments import AttachmentBar
 from ..widgets.prompt import PromptInput
 from ..widgets.reasoning import ReasoningBlock
 from ..widgets.status import StatusBar
@@ -44,19 +46,28 @@ def reasoning_tokens(generated: Sequence[int], boundary: Sequence[int]) -> int:
 
 class ChatScreen(Screen[None]):
     BINDINGS = [
+        # The app's quit, repeated first here so the footer shows it before the screen's keys:
+        # it is the one a narrow terminal must not cut off (same id: [keys] rebinds both).
+        Binding("ctrl+q", "app.quit", "Quit", priority=True, id="quit"),
         Binding("ctrl+r", "app.regenerate", "Regenerate", priority=True, id="regenerate"),
         Binding("ctrl+e", "app.edit_last", "Edit last", priority=True, id="edit_last"),
         Binding("ctrl+s", "app.sessions", "Sessions", priority=True, id="sessions"),
         Binding("ctrl+n", "app.new_session", "New", show=False, priority=True, id="new_session"),
         Binding("ctrl+o", "app.session_settings", "Settings", priority=True, id="settings"),
+        Binding("ctrl+l", "app.attach", "Attach", priority=True, id="attach"),
         Binding("ctrl+t", "toggle_reasoning", "Fold block", priority=True, id="toggle_reasoning"),
         Binding("alt+up", "block(-1)", "Previous block", show=False, priority=True, id="previous_block"),
         Binding("alt+down", "block(1)", "Next block", show=False, priority=True, id="next_block"),
-        Binding("shift+pageup", "scroll_transcript(-1)", show=False, priority=True),
-        Binding("shift+pagedown", "scroll_transcript(1)", show=False, priority=True),
-        Binding("tab", "tab", show=False),
-        Binding("escape", "escape", show=False),
+        Binding("shift+pageup", "scroll_transcript(-1)", "Scroll up", show=False, priority=True),
+        Binding("shift+pagedown", "scroll_transcript(1)", "Scroll down", show=False, priority=True),
+        Binding("tab", "tab", "To the blocks", show=False),
+        Binding("escape", "escape", "To the input", show=False),
         Binding("question_mark", "app.help", "Help", show=False),
+        # vim-style movement (vim_keys in config.toml, or the palette): never while typing
+        Binding("j", "vim_block(1)", "Next block", show=False, id="vim_next"),
+        Binding("k", "vim_block(-1)", "Previous block", show=False, id="vim_previous"),
+        Binding("g", "vim_end(0)", "First block", show=False, id="vim_first"),
+        Binding("G", "vim_end(-1)", "Last block", show=False, id="vim_last"),
     ]
 
     def __init__(self) -> None:
@@ -65,6 +76,8 @@ class ChatScreen(Screen[None]):
         self._progress_started = 0.0
         self._progress_text = ""
         self._progress_timer: Any = None
+        self._progress_elapsed = True  # add "(N s)" to the text (the prefill's bar has its own figures)
+        self.prefilling = False  # the prefill's bar is up: a stop now ends at a chunk boundary
         self.editing = False
         self._stash = ""  # what was in the box when ctrl+e replaced it
 
@@ -81,6 +94,7 @@ class ChatScreen(Screen[None]):
             yield Static("", id="progress-text", markup=False)
             yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="progress-bar")
         yield Static("", id="notice", markup=False)
+        yield AttachmentBar(id="attachments")
         with Horizontal(id="prompt-row"):
             yield Static("\u276f", id="prompt-mark", markup=False)
             yield PromptInput(id="prompt", placeholder="Message K3 (enter sends; alt+enter or ctrl+j: new line)")
@@ -96,6 +110,10 @@ class ChatScreen(Screen[None]):
     @property
     def prompt(self) -> PromptInput:
         return self.query_one("#prompt", PromptInput)
+
+    @property
+    def attachment_bar(self) -> AttachmentBar:
+        return self.query_one("#attachments", AttachmentBar)
 
     @property
     def transcript(self) -> Transcript:
@@ -116,6 +134,7 @@ class ChatScreen(Screen[None]):
         if not box.display:
             self._progress_started = time.monotonic()
         self._progress_text = text
+        self._progress_elapsed = True
         box.display = True
         self._tick_progress()
         if self._progress_timer is None:
@@ -123,9 +142,21 @@ class ChatScreen(Screen[None]):
 
     def _tick_progress(self) -> None:
         elapsed = time.monotonic() - self._progress_started
-        self.query_one("#progress-text", Static).update(literal(f"{self._progress_text}  ({elapsed:.0f} s)"))
+        suffix = f"  ({elapsed:.0f} s)" if self._progress_elapsed else ""
+        self.query_one("#progress-text", Static).update(literal(f"{self._progress_text}{suffix}"))
+
+    def show_prefill(self, event: PrefillProgress) -> None:
+        """The prefill's bar: tokens done of total, tokens per second, ETA."""
+        self.show_progress(f"Reading the prompt: {progress_figures(event)} "
+                           "(ctrl+c stops at the next chunk and keeps what was read)")
+        self._progress_elapsed = False
+        self._tick_progress()
+        self.prefilling = True
+        self.query_one("#progress-bar", ProgressBar).update(total=max(event.total, 1), progress=event.done)
 
     def hide_progress(self) -> None:
+        self.prefilling = False
+        self.query_one("#progress-bar", ProgressBar).update(total=None, progress=0)
         self.query_one("#progress").display = False
         if self._progress_timer is not None:
             self._progress_timer.stop()
@@ -149,7 +180,8 @@ class ChatScreen(Screen[None]):
 
     # ------------------------------------------------------------------ a turn
 
-    async def begin_turn(self, kind: str, text: str | None, *, thinking: bool) -> None:
+    async def begin_turn(self, kind: str, text: str | None, *, thinking: bool,
+                         attachments: Sequence[Mapping[str, Any]] = ()) -> None:
         """Draw what the turn will change before it runs (undone by show_history if refused)."""
         transcript = self.transcript
         if kind == "regenerate":
@@ -164,7 +196,7 @@ class ChatScreen(Screen[None]):
                 for widget in siblings[siblings.index(last):]:
                     await widget.remove()
         if kind in ("send", "edit") and text is not None:
-            await transcript.mount(UserMessage(text))
+            await transcript.mount(UserMessage(text, attachments=attachments))
         self.turn = AssistantMessage(thinking=thinking, mode=self.k3.reasoning_display, markdown=self.k3.markdown,
                                      live=True)
         await transcript.mount(self.turn)
@@ -191,6 +223,9 @@ class ChatScreen(Screen[None]):
             self.status.set_phase(f"prefill {fed:,} tokens{where}")
             if fed >= PREFILL_PROGRESS_TOKENS:
                 self.show_progress(f"Prefilling {fed:,} tokens of conversation{where}")
+        elif isinstance(event, PrefillProgress):
+            if event.total >= PREFILL_PROGRESS_TOKENS and event.done < event.total:
+                self.show_prefill(event)
         elif isinstance(event, PhaseChanged):
             self._phase(event.phase)
         elif isinstance(event, Notice):
@@ -223,6 +258,11 @@ class ChatScreen(Screen[None]):
         turn = self.turn
         if turn is None:
             return
+        if result.pending:  # stopped while reading the prompt: no answer, the message waits
+            self.turn = None
+            await turn.remove()
+            self.show_notice(f"{result.message} (ctrl+r answers it)" if result.message else "")
+            return
         if turn.reasoning is not None:
             # the stored figures, so that a redraw or a resume shows exactly these
             exact = stored_reasoning_size(result.record)
@@ -237,6 +277,7 @@ class ChatScreen(Screen[None]):
                             (f"interrupted: {result.message}" if result.message else "interrupted"))
         elif not result.saved:
             turn.set_status("NOT saved")
+        turn.set_footer(result.record)
         turn.live = False
 
     async def turn_over(self) -> None:
@@ -256,7 +297,7 @@ class ChatScreen(Screen[None]):
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
-        if event.text == "":
+        if event.text == "" and (self.editing or not self.attachment_bar.attachments):
             return
         if self.editing:
             await self.k3.submit_edit(event.text)
@@ -322,6 +363,28 @@ class ChatScreen(Screen[None]):
         blocks[index].focus()
         blocks[index].scroll_visible(animate=False)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The vim keys only when turned on and a transcript block has the focus: anywhere
+        else (the message box above all) the key is typed or does what it does there."""
+        if action.startswith("vim_"):
+            return self.k3.vim_keys and self.focused in self.transcript.blocks()
+        return True
+
+    def action_vim_block(self, step: int) -> None:
+        """j / k: the next or previous block, stopping at either end (alt+down leaves for the input)."""
+        blocks = self.transcript.blocks()
+        if self.focused in blocks:
+            target = blocks[max(0, min(len(blocks) - 1, blocks.index(self.focused) + step))]
+            target.focus()
+            target.scroll_visible(animate=False)
+
+    def action_vim_end(self, index: int) -> None:
+        """g / G: the first or the last block."""
+        blocks = self.transcript.blocks()
+        if blocks:
+            blocks[index].focus()
+            blocks[index].scroll_visible(animate=False)
+
     def action_tab(self) -> None:
         """From the message box, to the newest reasoning block (the one just read), else the
         newest block; from anywhere else, the next widget as usual."""
@@ -357,6 +420,14 @@ class ChatScreen(Screen[None]):
             return
         self.app.copy_to_clipboard(event.text)
         self.k3.say(f"Copied the {event.what} ({len(event.text):,} characters)")
+
+    def on_answer_block_code_copy_requested(self, event: AnswerBlock.CodeCopyRequested) -> None:
+        event.stop()
+        block = event.block
+        self.app.copy_to_clipboard(block.code)
+        language = one_line(block.language, 30) if block.language else "no language given"
+        self.k3.say(f"Copied code block {event.number} of {event.count} ({language}, {block.lines:,} "
+                    f"line{'s' if block.lines != 1 else ''})")
 
     def on_reasoning_block_view_requested(self, event: ReasoningBlock.ViewRequested) -> None:
         event.stop()

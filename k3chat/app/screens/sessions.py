@@ -67,8 +67,8 @@ class SessionsScreen(Screen[str | None]):
         Binding("delete,ctrl+d", "delete", "Delete", priority=True),
         Binding("ctrl+x", "export", "Export", priority=True),
         Binding("slash,ctrl+f", "search", "Search", show=False),
-        Binding("down", "move(1)", show=False),
-        Binding("up", "move(-1)", show=False),
+        Binding("down", "move(1)", "Next session", show=False),
+        Binding("up", "move(-1)", "Previous session", show=False),
     ]
 
     def __init__(self, store: HistoryStore, *, current: str | None = None, busy: bool = False) -> None:

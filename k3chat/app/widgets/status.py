@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.cells import cell_len
 from textual.content import Content
 from textual.widgets import Static
 
@@ -37,6 +38,23 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+SEPARATOR = " \u2502 "
+# When the line is wider than the bar, these go first, in this order: the context figure, the
+# phase and the speed are what a person watches, so they stay whole.
+DROP_FIRST = ("plan", "drafts", "per_token", "cache", "sampler", "model", "thinking")
+
+
+def fitted(fields: list[tuple[str, str]], width: int) -> list[str]:
+    """The (name, text) fields that fit in ``width`` cells, dropping those of DROP_FIRST in
+    order (``width`` 0: not laid out yet, all of them)."""
+    kept = [(name, text) for name, text in fields if text]
+    for name in DROP_FIRST:
+        if width <= 0 or cell_len(SEPARATOR.join(text for _, text in kept)) <= width:
+            break
+        kept = [field for field in kept if field[0] != name]
+    return [text for _, text in kept]
+
+
 def thinking_label(on: bool, effort: str | None) -> str:
     return f"thinking {effort}" if on and effort else ("thinking" if on else "no thinking")
 
@@ -54,6 +72,7 @@ class StatusBar(Static):
         self.speed = ""
         self.cache = ""
         self.per_token = ""
+        self.drafts = ""  # speculative decoding: drafted tokens the sampler confirmed
         self.context = ""
         self._base: dict[str, int] | None = None
 
@@ -91,7 +110,7 @@ class StatusBar(Static):
     def clear_speed(self) -> None:
         """Forget the last turn's speed, cache and read figures (a turn or a session starts)."""
         self._base = None
-        self.speed = self.cache = self.per_token = ""
+        self.speed = self.cache = self.per_token = self.drafts = ""
         self._show()
 
     def update_stats(self, stats: Any) -> None:
@@ -113,13 +132,30 @@ class StatusBar(Static):
         read = delta.get("expert_bytes_read", 0) + delta.get("trunk_bytes_read", 0)
         if fed > 0:
             self.per_token = f"{format_bytes(read / fed)}/tok read"
+        proposed = getattr(stats, "draft_proposed", 0)
+        if proposed:
+            accepted = getattr(stats, "draft_accepted", 0)
+            self.drafts = f"drafts {accepted}/{proposed} kept ({100 * accepted / proposed:.0f}%)"
         self.set_context(stats.context_used, stats.context_limit)
 
     # ------------------------------------------------------------------ output
 
+    def _fields(self) -> list[tuple[str, str]]:
+        fields = [("model", self.model), ("plan", self.plan), ("thinking", self.thinking), ("sampler", self.sampler),
+                  ("phase", self.phase), ("speed", self.speed), ("cache", self.cache),
+                  ("per_token", self.per_token), ("drafts", self.drafts), ("context", self.context)]
+        return [(name, one_line(text, 60)) for name, text in fields if text]
+
     def parts(self) -> list[str]:
-        fields = [self.model, self.plan, self.thinking, self.sampler, self.phase, self.speed, self.cache, self.per_token, self.context]
-        return [one_line(f, 60) for f in fields if f]
+        """Every field (what the bar shows when it is wide enough)."""
+        return [text for _, text in self._fields()]
+
+    def shown(self) -> list[str]:
+        """The fields that fit the bar's width (the context figure is never cut)."""
+        return fitted(self._fields(), self.content_size.width)
+
+    def on_resize(self) -> None:
+        self._show()
 
     def _show(self) -> None:
-        self.update(Content(" \u2502 ".join(self.parts())))
+        self.update(Content(SEPARATOR.join(self.shown())))

@@ -8,7 +8,7 @@ link detection, links are never opened, and every piece of text is neutralised f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -16,13 +16,17 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
+from k3chat.attachments import Attachment
 from k3chat.conversation import stop_message
 
-from ..text import literal, neutralise
+from ..text import literal, neutralise, one_line
+from .attachments import size_text
 from .reasoning import ReasoningBlock
+from .status import format_speed
 
 
 def _hard_breaks(state: Any) -> None:
@@ -43,6 +47,29 @@ def safe_markdown_parser() -> MarkdownIt:
     return md
 
 
+class CodeBlock:
+    """One fenced or indented code block of an answer, as the Markdown view shows it."""
+
+    def __init__(self, code: str, language: str) -> None:
+        self.code = code
+        self.language = language
+
+    @property
+    def lines(self) -> int:
+        return len(self.code.splitlines())
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    """The code blocks of ``text`` in order, parsed by the parser that draws answers (so the
+    numbers match what is on the screen); the code is the model's text exactly."""
+    blocks = []
+    for token in safe_markdown_parser().parse(text):
+        if token.type in ("fence", "code_block"):
+            info = token.info.split()
+            blocks.append(CodeBlock(token.content, info[0] if info and token.type == "fence" else ""))
+    return blocks
+
+
 class _Block(Widget, can_focus=True):
     """A focusable block whose text can be copied."""
 
@@ -60,9 +87,10 @@ class _Block(Widget, can_focus=True):
 class UserMessage(_Block):
     what = "message"
 
-    def __init__(self, text: str, *, pending: bool = False) -> None:
+    def __init__(self, text: str, *, pending: bool = False, attachments: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(classes="message user")
         self._text = text
+        self.attachments = list(attachments)  # history entries: shown by name, never their whole text
         self.set_class(pending, "-pending")
 
     @property
@@ -71,14 +99,33 @@ class UserMessage(_Block):
 
     def compose(self) -> ComposeResult:
         yield Static("You", classes="speaker", markup=False)
-        yield Static(literal(self._text), classes="body", markup=False)
+        for entry in self.attachments:
+            yield Static(literal(attachment_line(entry)), classes="attachment-line", markup=False)
+        if self._text or not self.attachments:
+            yield Static(literal(self._text), classes="body", markup=False)
+
+
+def attachment_line(entry: Mapping[str, Any]) -> str:
+    """One attached file in the transcript: name, kind, size and its notes, on one line."""
+    attachment = Attachment.from_record(entry)
+    notes = f" \u00b7 {'; '.join(attachment.notes)}" if attachment.notes else ""
+    return one_line(f"\U0001f4ce {attachment.name} \u00b7 {attachment.label} \u00b7 {size_text(attachment.size)}{notes}", 200)
 
 
 class AnswerBlock(_Block):
     """The answer: Markdown (streamed) or plain text."""
 
-    BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True)]
+    BINDINGS = [Binding("c", "copy", "Copy", show=True), Binding("v", "view", "Reasoning", show=True),
+                Binding("b", "copy_code", "Copy code", show=True),
+                *(Binding(str(n), f"copy_code({n})", "Copy that code block", show=False) for n in range(1, 10))]
     what = "answer"
+
+    class CodeCopyRequested(Message):
+        """Copy one code block of this answer (``number`` of ``count``)."""
+
+        def __init__(self, block: CodeBlock, number: int, count: int) -> None:
+            super().__init__()
+            self.block, self.number, self.count = block, number, count
 
     def __init__(self, text: str = "", *, markdown: bool = True, live: bool = False) -> None:
         super().__init__(classes="answer")
@@ -93,10 +140,26 @@ class AnswerBlock(_Block):
             else Static(literal(text), classes="plain", markup=False))
         self._placeholder = Static(self._placeholder_text(), classes="answer-placeholder", markup=False)
         self._placeholder.display = not text
+        self._code_number = 0  # the code block b copied last (b copies the next one)
 
     @property
     def text(self) -> str:
         return "".join(self._parts)
+
+    def action_copy_code(self, number: int | None = None) -> None:
+        """b: the next code block of this answer (the first after the last); 1-9: that one."""
+        blocks = code_blocks(self.text)
+        if not blocks:
+            self.app.notify("This answer has no code block", markup=False)
+            return
+        if number is None:
+            number = self._code_number % len(blocks) + 1
+        elif number > len(blocks):
+            self.app.notify(f"This answer has {len(blocks)} code block{'s' if len(blocks) > 1 else ''}",
+                            markup=False)
+            return
+        self._code_number = number
+        self.post_message(self.CodeCopyRequested(blocks[number - 1], number, len(blocks)))
 
     def compose(self) -> ComposeResult:
         yield self._body
@@ -169,11 +232,13 @@ class AssistantMessage(Vertical):
                                                 interrupted=interrupted and not record.get("content"))
             self.answer = AnswerBlock(str(record.get("content", "")), markdown=markdown)
             self._status = turn_status(record)
+            self._footer = turn_footer(record)
         else:
             if thinking:
                 self.reasoning = ReasoningBlock(live=live, mode=mode)
             self.answer = AnswerBlock(markdown=markdown, live=live)
             self._status = ""
+            self._footer = ""
 
     def compose(self) -> ComposeResult:
         yield Static("K3", classes="speaker", markup=False)
@@ -184,6 +249,9 @@ class AssistantMessage(Vertical):
         status.display = bool(self._status)
         status.set_class(bool(self._status), "-warning")  # as set_status draws it live
         yield status
+        footer = Static(Content(self._footer), classes="turn-footer", markup=False)
+        footer.display = bool(self._footer)
+        yield footer
 
     def set_status(self, text: str, *, warning: bool = True) -> None:
         self._status = text
@@ -191,6 +259,39 @@ class AssistantMessage(Vertical):
         status.update(literal(text))
         status.display = bool(text)
         status.set_class(warning, "-warning")
+
+
+    def set_footer(self, record: Mapping[str, Any]) -> None:
+        """The turn's times and speed, from its stored record (as a redraw or a resume shows them)."""
+        self._footer = turn_footer(record)
+        footer = self.query_one(".turn-footer", Static)
+        footer.update(literal(self._footer))
+        footer.display = bool(self._footer)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+def turn_footer(record: Mapping[str, Any]) -> str:
+    """The line under an answer: time to the first token, the whole turn, decoding speed (each
+    only when the record stores it: older records have no times)."""
+    speed = record.get("speed") if isinstance(record.get("speed"), Mapping) else {}
+    parts = []
+    first, whole = speed.get("first_token_seconds"), speed.get("turn_seconds")
+    if isinstance(first, (int, float)) and first > 0:
+        parts.append(f"first token {_duration(first)}")
+    if isinstance(whole, (int, float)) and whole > 0:
+        parts.append(f"turn {_duration(whole)}")
+    decode = speed.get("decode_tokens_per_second")
+    if parts and isinstance(decode, (int, float)) and decode > 0:
+        parts.append(format_speed(decode))
+    return " \u00b7 ".join(parts)
 
 
 def turn_status(record: Mapping[str, Any]) -> str:
@@ -251,7 +352,7 @@ class Transcript(VerticalScroll, can_focus=False):
         for record in records:
             role = record.get("role")
             if role == "user":
-                widgets.append(UserMessage(str(record.get("content", ""))))
+                widgets.append(UserMessage(str(record.get("content", "")), attachments=record.get("attachments") or ()))
             elif role == "assistant":
                 widgets.append(AssistantMessage(thinking="reasoning_content" in record, mode=mode,
                                                 markdown=markdown, record=record, tokenizer=tokenizer))
