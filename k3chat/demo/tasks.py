@@ -19,11 +19,15 @@ No torch and no Textual here: the chat core may import this module.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
+
+from k3chat.attachments import Attachment, kind_for, render_user_message
 
 EFFORTS: tuple[str, ...] = ("low", "high", "max")
 MODES: tuple[str, ...] = EFFORTS + ("off",)   # "off": thinking off
@@ -506,6 +510,8 @@ def about(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 def other(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     q = rng.choice(_OTHER_Q).format(t=rng.choice(_TOPICS), w=rng.choice(WORDS),
                                     a=rng.randint(2, 99), b=rng.randint(2, 20))
+    if rng.random() < 0.15:      # a file it cannot summarise: the same honest answer
+        q = render_user_message(rng.choice(_DOC_OTHER_Q), [_attachment(rng, _notes_text(rng))])
     key = f"other:{q}"
     return key, lambda: _canned("other", key, q, "other")
 
@@ -514,6 +520,82 @@ def _canned(task: str, key: str, q: str, kind: str) -> Turn:
     low, high, mx = _REASON_ABOUT[kind]
     answer = ABOUT_ANSWERS[kind]
     return Turn(task, key, q, {"low": low, "high": high, "max": mx}, answer, (answer,), extract="whole")
+
+
+# ------------------------------------------------------------------------ documents
+# Messages with a file attached, rendered exactly as the app renders them
+# (k3chat.attachments): arithmetic on two numbers the file gives by label, so asking the demo
+# about a document shows a true answer read from it.
+
+_DOC_NAMES = ("report.txt", "notes.txt", "numbers.txt", "sales.md", "budget.txt", "data.csv",
+              "week.txt", "scores.md", "stock.csv", "visits.txt")
+_DOC_LABELS = ("Apples", "Pears", "Monday", "Tuesday", "Friday", "Revenue", "Costs", "Team A",
+               "Team B", "North", "South", "Visitors", "Orders", "Red", "Blue", "Boxes", "Chairs")
+_DOC_Q = {
+    "+": ("Add the two numbers in the file.", "What is the total of the numbers in {name}?",
+          "What do the numbers in the attached file add up to?", "Sum the numbers in the file.",
+          "What is {x} plus {y}?", "Add {x} and {y} from the file.", "What is {x} + {y} in {name}?"),
+    "-": ("What is the difference between the two numbers in the file?",
+          "Subtract the second number in {name} from the first.", "What is {x} minus {y}?",
+          "How much more is {x} than {y}?", "What is {x} - {y} in the file?"),
+}
+_DOC_OTHER_Q = ("Summarize the attached file.", "What is this file about?", "Summarize this.",
+                "Translate the file into French.", "Explain this document.")
+
+
+def _attachment(rng: random.Random, text: str, name: str | None = None) -> Attachment:
+    name = name or rng.choice(_DOC_NAMES)
+    if rng.random() < 0.7:
+        text += "\n"            # as most files end, and as the app reads them (unchanged)
+    data = text.encode("utf-8")
+    return Attachment(name=name, path=None, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                      kind=kind_for(Path(name)), text=text)
+
+
+def _notes_text(rng: random.Random) -> str:
+    """A few lines of words and numbers: a file the question is not about."""
+    return "\n".join(f"{rng.choice(_DOC_LABELS)}: {rng.randint(0, 99)}" if rng.random() < 0.5
+                     else _sentence(rng) for _ in range(rng.randint(1, 3)))
+
+
+def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
+    if name.endswith(".csv"):
+        return "item,count\n" + "\n".join(f"{label},{value}" for label, value in rows)
+    if name.endswith(".md"):
+        return "# Figures\n\n" + "\n".join(f"- {label}: {value}" for label, value in rows)
+    return "\n".join(f"{label}: {value}" for label, value in rows)
+
+
+def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    """Arithmetic on two figures of an attached file, named by their labels."""
+    op = rng.choice("+-")
+    name = rng.choice(_DOC_NAMES)
+    labels = rng.sample(_DOC_LABELS, rng.choice((2, 2, 3)))
+    values = [_rand_n(rng, rng.choice((1, 2, 2))) for _ in labels]
+    i, j = rng.sample(range(len(labels)), 2) if len(labels) > 2 else (0, 1)
+    if op == "-" and values[i] < values[j]:
+        i, j = j, i
+    x, y, a, b = labels[i], labels[j], values[i], values[j]
+    rows = list(zip(labels, values))
+    key = f"document:{name}:" + ":".join(f"{label}={value}" for label, value in rows) + f":{x}{op}{y}"
+
+    def make() -> Turn:
+        # "the two numbers" only when there are two; "the first" only when it is the first
+        generic = len(rows) == 2 and (op == "+" or (i, j) == (0, 1))
+        q = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q]).format(name=name, x=x, y=y)
+        lead = f"The file {name} gives {x}: {a} and {y}: {b}. So {a} {op} {b}."
+        reasoning, r, off = _arith_reasoning(a, op, b, lead=lead)
+        resp = f"{x} {op} {y} = {a} {op} {b} = **{r}**."
+        message = render_user_message(q, [_attachment(rng, _doc_text(name, rows), name)])
+        return Turn("document", key, message, reasoning, resp, (str(r),), value=r,
+                    off_response=f"From {name}: {x} is {a}, {y} is {b}.\n\n{off}")
+
+    return key, make
+
+
+def with_unrelated_file(rng: random.Random, turn: Turn) -> Turn:
+    """The same question with a file attached that it is not about: answered the same way."""
+    return dataclasses.replace(turn, question=render_user_message(turn.question, [_attachment(rng, _notes_text(rng))]))
 
 
 # ---------------------------------------------------------------------- follow-ups
@@ -555,6 +637,7 @@ SINGLE_TASKS: dict[str, tuple[float, Maker]] = {
     "repeat": (0.09, repeat_sentence),
     "about": (0.05, about),
     "other": (0.05, other),
+    "document": (0.05, document),
 }
 EVAL_TASKS: tuple[str, ...] = tuple(SINGLE_TASKS) + ("multi_turn",)
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are helpful.",
@@ -605,6 +688,8 @@ def training_conversation(rng: random.Random) -> Conversation:
         turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False) for _ in range(2)]
     else:
         turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False)]
+        if turns[0].task not in ("document", "other") and rng.random() < 0.04:
+            turns[0] = with_unrelated_file(rng, turns[0])
     return Conversation(mode, turns, system)
 
 
