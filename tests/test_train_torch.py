@@ -91,6 +91,26 @@ def test_chunked_kda_equals_the_naive_recurrence(chunk: int, strong: bool) -> No
     assert torch.allclose(s2, s_ref, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_chunked_kda_in_float32_at_the_strongest_decay_stays_finite_and_close(chunk: int) -> None:
+    """Training runs in float32: at g next to g_min = -5 for a whole chunk the split factors
+    reach exp(5 C) (exp(80) at C = 16); the output and every gradient must stay finite and
+    match the float64 recurrence."""
+    q, k, v, _, beta = _kda_inputs(11, 2, 3, 45, 16, True)
+    g = torch.full_like(q, -4.999)
+    o_ref, s_ref = kda.naive(q, k, v, g, beta)
+    leaves = [x.float().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o, s = kda.chunked(*leaves, chunk=chunk)
+    assert torch.allclose(o.double(), o_ref, atol=2e-5) and torch.allclose(s.double(), s_ref, atol=2e-5)
+    (o.square().sum() + s.square().sum()).backward()
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o64, s64 = kda.naive(*ref)
+    (o64.square().sum() + s64.square().sum()).backward()
+    for got, want in zip(leaves, ref):
+        assert torch.isfinite(got.grad).all()
+        assert torch.allclose(got.grad.double(), want.grad, atol=2e-4, rtol=1e-3)
+
+
 def test_chunked_kda_reads_the_updated_state_and_decays_first() -> None:
     """The naive reference itself: against a hand-written recurrence (spec 5.4 step 6)."""
     q, k, v, g, beta = _kda_inputs(5, 1, 1, 6, 4, True)
@@ -141,3 +161,17 @@ def test_exported_checkpoint_is_what_the_torch_model_computed(tmp_path: Path) ->
     with torch.no_grad():
         again = reloaded(torch.tensor([ids]))[0].double().numpy()
     assert np.array_equal(again, ours)                 # the stored values are exactly the trained ones
+
+
+def test_logits_of_selected_rows_are_those_rows_of_the_full_logits(tiny_dir: Path) -> None:
+    """The trainer asks for the scored positions only; they must be the same logits."""
+    m = _loaded(tiny_dir, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, _vocab(tiny_dir), (3, 21), generator=g)
+    rows = torch.rand(3, 21, generator=g) < 0.5
+    with torch.no_grad():
+        full = m(ids)
+        some = m(ids, rows=rows)
+    assert some.shape == (int(rows.sum()), full.shape[-1])
+    assert torch.allclose(some, full[rows], rtol=0, atol=1e-12)
+    assert not torch.allclose(some, full[rows.roll(1, dims=1)], rtol=0, atol=1e-3)   # other rows differ

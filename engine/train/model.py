@@ -125,7 +125,7 @@ class K3Torch(nn.Module):
         self.p = p
         self.vocab_size = vocab_size
         self.quantize = True
-        self.chunk = 8
+        self.chunk = 16         # fewest sequential steps whose decay factors fit float32 (kda.chunked)
         self.names: list[str] = []          # checkpoint names, in file order
         self.storage: dict[str, str] = {}   # name -> "bf16" | "f32" | "mxfp4"
         self._params = nn.ParameterDict()
@@ -302,11 +302,14 @@ class K3Torch(nn.Module):
                    self.p.situ_beta, self.p.situ_linear_beta)
 
     # ---- the whole model ------------------------------------------------------------
-    def forward(self, ids: Tensor, loads: list[Tensor] | None = None, cache: dict | None = None) -> Tensor:
+    def forward(self, ids: Tensor, loads: list[Tensor] | None = None, cache: dict | None = None,
+                rows: Tensor | None = None) -> Tensor:
         """Logits [B, T, V] for ids [B, T]: from a fresh state, or after what ``cache`` holds
         (a dict this call fills: KDA state and conv history, MLA keys and values), which is
         how greedy decoding runs one token at a time. ``loads`` collects the routed expert
-        counts of every MoE layer (for the bias balancing of the trainer)."""
+        counts of every MoE layer (for the bias balancing of the trainer). With ``rows`` (a
+        [B, T] bool mask) only those positions get logits, [N, V]: the trainer scores about
+        half the positions, and the vocabulary projection is a large share of a step."""
         p = self.p
         r = lambda layer, s: self.weight(f"{LM}layers.{layer}.{s}")  # noqa: E731
         h = F.embedding(ids, self.weight(LM + "embed_tokens.weight"))
@@ -325,6 +328,8 @@ class K3Torch(nn.Module):
             xn = rmsnorm(x, r(layer, "post_attention_layernorm.weight"), p.rms_norm_eps)
             m = self._moe(layer, xn, loads) if p.is_moe(layer) else self._dense(layer, xn)
             h = prefix + m
+        if rows is not None:                  # everything below is per position
+            blocks, h = [blk[rows] for blk in blocks], h[rows]
         h = attn_res(blocks + [h], self.weight(LM + "output_attn_res_norm.weight"),
                      self.weight(LM + "output_attn_res_proj.weight"))
         h = rmsnorm(h, self.weight(LM + "norm.weight"), p.rms_norm_eps)

@@ -19,11 +19,15 @@ No torch and no Textual here: the chat core may import this module.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
+
+from k3chat.attachments import Attachment, kind_for, render_user_message
 
 EFFORTS: tuple[str, ...] = ("low", "high", "max")
 MODES: tuple[str, ...] = EFFORTS + ("off",)   # "off": thinking off
@@ -49,6 +53,12 @@ class Turn:
     accept: tuple[str, ...]         # acceptable extracted answers
     extract: str = "bold"           # "bold": the first **...** of the response; "whole": all of it
     value: int | None = None        # the numeric result, for follow-up questions
+    # With thinking off the answer itself shows the steps (a short list, then the result):
+    # a model this small cannot carry digits in its head from one id to the next.
+    off_response: str | None = None
+
+    def response_for(self, mode: str) -> str:
+        return self.off_response if mode == "off" and self.off_response is not None else self.response
 
 
 def extract_answer(turn: Turn, response: str) -> str:
@@ -179,8 +189,9 @@ def _sub_lines(a: int, b: int) -> tuple[list[str], list[str], int]:
     return high, low, a - b
 
 
-def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int]:
-    """Reasoning for a op b (a, b >= 0) at each effort, and the result."""
+def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int, str]:
+    """Reasoning for a op b (a, b >= 0) at each effort, the result, and the answer with
+    thinking off (the low steps as a list, then the bold result)."""
     if op == "+":
         high, low, r = _add_lines(a, b)
         intro_high = f"Add {a} and {b} column by column, from the ones."
@@ -210,7 +221,13 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         "high": lead_sp + "\n".join(p for p in [neg_high, intro_high] + high + [tail] if p),
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
-    return reasoning, r
+    expr = f"{a} {op} {b}"
+    return reasoning, r, _steps_answer(f"{expr} by columns:", [p for p in [neg_low] + low if p], f"{expr} = **{r}**.")
+
+
+def _steps_answer(head: str, steps: list[str], result: str) -> str:
+    """A thinking-off answer: what it works out, its steps as a short Markdown list, the result."""
+    return head + "\n\n" + "\n".join(f"- {p}" for p in steps) + "\n\n" + result
 
 
 def _arith_response(a: int, op: str, b: int, r: int, rng: random.Random) -> str:
@@ -250,8 +267,9 @@ def arithmetic(rng: random.Random, op: str, digits: int) -> tuple[str, Callable[
 
     def make() -> Turn:
         q = rng.choice(_ADD_Q if op == "+" else _SUB_Q).format(a=a, b=b)
-        reasoning, r = _arith_reasoning(a, op, b)
-        return Turn(name, key, q, reasoning, _arith_response(a, op, b, r, rng), (str(r),), value=r)
+        reasoning, r, off = _arith_reasoning(a, op, b)
+        return Turn(name, key, q, reasoning, _arith_response(a, op, b, r, rng), (str(r),), value=r,
+                    off_response=off)
 
     return key, make
 
@@ -319,7 +337,8 @@ def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         else:
             resp = rng.choice((f"**{ans}** is {kind}.", f"The {kind} number is **{ans}**.",
                                f"**{ans}** is {kind} than {small if kind == 'larger' else big}."))
-        return Turn("compare", key, q, reasoning, resp, (str(ans),), value=ans)
+        return Turn("compare", key, q, reasoning, resp, (str(ans),), value=ans,
+                    off_response=f"{reasoning['low']}\n\n{resp}")
 
     return key, make
 
@@ -360,7 +379,8 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         resp = rng.choice((f"There {'is' if n == 1 else 'are'} **{n}** {label} in {w}.",
                            f"The word {w} has **{n}** {label}.",
                            f"**{n}**: the letter {c} appears {times} in {w}."))
-        return Turn("count", key, q, reasoning, resp, (str(n),), value=n)
+        return Turn("count", key, q, reasoning, resp, (str(n),), value=n,
+                    off_response=f"{' '.join(low_parts)}.\n\n{resp}")
 
     return key, make
 
@@ -376,17 +396,21 @@ def reverse_word(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 
     def make() -> Turn:
         rev = w[::-1]
-        fwd, bwd = ", ".join(w), ", ".join(rev)
+        # Numbered letters: reading back is then a look-up of "n-1", not a count of positions.
+        numbered = [f"{i} {c}" for i, c in enumerate(w, 1)]
+        fwd, bwd = ", ".join(numbered), ", ".join(reversed(numbered))
         body = f"Spell {w}: {fwd}.\nRead the letters from last to first: {bwd}.\nJoined together: {rev}."
+        low = f"{' '.join(numbered)}. Backwards: {' '.join(reversed(numbered))}."
         reasoning = {
-            "low": f"{' '.join(w)}. Backwards: {' '.join(rev)}. {rev}.",
+            "low": f"{low} {rev}.",
             "high": body,
             "max": (f"The task is to write the word {w} backwards. I will spell it, then read the "
                     f"letters from the end to the start and join them.\n{body}\nSo {w} reversed is {rev}."),
         }
         resp = rng.choice((f"The word {w} reversed is **{rev}**.", f"**{rev}**",
                            f"{w} backwards is **{rev}**."))
-        return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,))
+        return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,),
+                    off_response=f"{low}\n\n{resp}")
 
     return key, make
 
@@ -400,11 +424,13 @@ def repeat_sentence(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     key = f"repeat:{s}"
 
     def make() -> Turn:
+        # The reasoning copies the sentence once: the answer then copies from nearby.
         reasoning = {
-            "low": "Repeat it exactly.",
-            "high": "The user wants the sentence back exactly, word for word.",
+            "low": f"Copy it exactly: {s}",
+            "high": f"The user wants the sentence back exactly, word for word:\n{s}",
             "max": ("The user asks me to repeat a sentence. I should copy it exactly as given, keeping "
-                    "every word, the capital letters and the punctuation, and add nothing else."),
+                    f"every word, the capital letters and the punctuation, and add nothing else:\n{s}\n"
+                    "That is the whole answer."),
         }
         return Turn("repeat", key, rng.choice(_REPEAT_Q).format(s=s), reasoning, s, (s,), extract="whole")
 
@@ -484,6 +510,8 @@ def about(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 def other(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     q = rng.choice(_OTHER_Q).format(t=rng.choice(_TOPICS), w=rng.choice(WORDS),
                                     a=rng.randint(2, 99), b=rng.randint(2, 20))
+    if rng.random() < 0.15:      # a file it cannot summarise: the same honest answer
+        q = render_user_message(rng.choice(_DOC_OTHER_Q), [_attachment(rng, _notes_text(rng))])
     key = f"other:{q}"
     return key, lambda: _canned("other", key, q, "other")
 
@@ -492,6 +520,82 @@ def _canned(task: str, key: str, q: str, kind: str) -> Turn:
     low, high, mx = _REASON_ABOUT[kind]
     answer = ABOUT_ANSWERS[kind]
     return Turn(task, key, q, {"low": low, "high": high, "max": mx}, answer, (answer,), extract="whole")
+
+
+# ------------------------------------------------------------------------ documents
+# Messages with a file attached, rendered exactly as the app renders them
+# (k3chat.attachments): arithmetic on two numbers the file gives by label, so asking the demo
+# about a document shows a true answer read from it.
+
+_DOC_NAMES = ("report.txt", "notes.txt", "numbers.txt", "sales.md", "budget.txt", "data.csv",
+              "week.txt", "scores.md", "stock.csv", "visits.txt")
+_DOC_LABELS = ("Apples", "Pears", "Monday", "Tuesday", "Friday", "Revenue", "Costs", "Team A",
+               "Team B", "North", "South", "Visitors", "Orders", "Red", "Blue", "Boxes", "Chairs")
+_DOC_Q = {
+    "+": ("Add the two numbers in the file.", "What is the total of the numbers in {name}?",
+          "What do the numbers in the attached file add up to?", "Sum the numbers in the file.",
+          "What is {x} plus {y}?", "Add {x} and {y} from the file.", "What is {x} + {y} in {name}?"),
+    "-": ("What is the difference between the two numbers in the file?",
+          "Subtract the second number in {name} from the first.", "What is {x} minus {y}?",
+          "How much more is {x} than {y}?", "What is {x} - {y} in the file?"),
+}
+_DOC_OTHER_Q = ("Summarize the attached file.", "What is this file about?", "Summarize this.",
+                "Translate the file into French.", "Explain this document.")
+
+
+def _attachment(rng: random.Random, text: str, name: str | None = None) -> Attachment:
+    name = name or rng.choice(_DOC_NAMES)
+    if rng.random() < 0.7:
+        text += "\n"            # as most files end, and as the app reads them (unchanged)
+    data = text.encode("utf-8")
+    return Attachment(name=name, path=None, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                      kind=kind_for(Path(name)), text=text)
+
+
+def _notes_text(rng: random.Random) -> str:
+    """A few lines of words and numbers: a file the question is not about."""
+    return "\n".join(f"{rng.choice(_DOC_LABELS)}: {rng.randint(0, 99)}" if rng.random() < 0.5
+                     else _sentence(rng) for _ in range(rng.randint(1, 3)))
+
+
+def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
+    if name.endswith(".csv"):
+        return "item,count\n" + "\n".join(f"{label},{value}" for label, value in rows)
+    if name.endswith(".md"):
+        return "# Figures\n\n" + "\n".join(f"- {label}: {value}" for label, value in rows)
+    return "\n".join(f"{label}: {value}" for label, value in rows)
+
+
+def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
+    """Arithmetic on two figures of an attached file, named by their labels."""
+    op = rng.choice("+-")
+    name = rng.choice(_DOC_NAMES)
+    labels = rng.sample(_DOC_LABELS, rng.choice((2, 2, 3)))
+    values = [_rand_n(rng, rng.choice((1, 2, 2))) for _ in labels]
+    i, j = rng.sample(range(len(labels)), 2) if len(labels) > 2 else (0, 1)
+    if op == "-" and values[i] < values[j]:
+        i, j = j, i
+    x, y, a, b = labels[i], labels[j], values[i], values[j]
+    rows = list(zip(labels, values))
+    key = f"document:{name}:" + ":".join(f"{label}={value}" for label, value in rows) + f":{x}{op}{y}"
+
+    def make() -> Turn:
+        # "the two numbers" only when there are two; "the first" only when it is the first
+        generic = len(rows) == 2 and (op == "+" or (i, j) == (0, 1))
+        q = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q]).format(name=name, x=x, y=y)
+        lead = f"The file {name} gives {x}: {a} and {y}: {b}. So {a} {op} {b}."
+        reasoning, r, off = _arith_reasoning(a, op, b, lead=lead)
+        resp = f"{x} {op} {y} = {a} {op} {b} = **{r}**."
+        message = render_user_message(q, [_attachment(rng, _doc_text(name, rows), name)])
+        return Turn("document", key, message, reasoning, resp, (str(r),), value=r,
+                    off_response=f"From {name}: {x} is {a}, {y} is {b}.\n\n{off}")
+
+    return key, make
+
+
+def with_unrelated_file(rng: random.Random, turn: Turn) -> Turn:
+    """The same question with a file attached that it is not about: answered the same way."""
+    return dataclasses.replace(turn, question=render_user_message(turn.question, [_attachment(rng, _notes_text(rng))]))
 
 
 # ---------------------------------------------------------------------- follow-ups
@@ -510,9 +614,9 @@ def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, C
     def make() -> Turn:
         q = rng.choice(_FOLLOW_Q[op]).format(n=n)
         lead = f"The previous answer was {previous}. Now {previous} {op} {n}."
-        reasoning, r = _arith_reasoning(previous, op, n, lead=lead)
+        reasoning, r, off = _arith_reasoning(previous, op, n, lead=lead)
         resp = f"{previous} {op} {n} = **{r}**." if rng.random() < 0.7 else f"That gives **{r}**."
-        return Turn("multi_turn", key, q, reasoning, resp, (str(r),), value=r)
+        return Turn("multi_turn", key, q, reasoning, resp, (str(r),), value=r, off_response=off)
 
     return key, make
 
@@ -521,18 +625,19 @@ def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, C
 
 Maker = Callable[[random.Random], tuple[str, Callable[[], Turn]]]
 SINGLE_TASKS: dict[str, tuple[float, Maker]] = {
-    "add_1d": (0.05, lambda r: arithmetic(r, "+", 1)),
-    "add_2d": (0.14, lambda r: arithmetic(r, "+", 2)),
-    "add_3d": (0.12, lambda r: arithmetic(r, "+", 3)),
-    "sub_1d": (0.05, lambda r: arithmetic(r, "-", 1)),
+    "add_1d": (0.03, lambda r: arithmetic(r, "+", 1)),
+    "add_2d": (0.12, lambda r: arithmetic(r, "+", 2)),
+    "add_3d": (0.09, lambda r: arithmetic(r, "+", 3)),
+    "sub_1d": (0.03, lambda r: arithmetic(r, "-", 1)),
     "sub_2d": (0.14, lambda r: arithmetic(r, "-", 2)),
-    "sub_3d": (0.12, lambda r: arithmetic(r, "-", 3)),
-    "compare": (0.09, compare),
-    "count": (0.09, count_letter),
-    "reverse": (0.09, reverse_word),
-    "repeat": (0.06, repeat_sentence),
-    "about": (0.025, about),
-    "other": (0.025, other),
+    "sub_3d": (0.10, lambda r: arithmetic(r, "-", 3)),
+    "compare": (0.10, compare),
+    "count": (0.10, count_letter),
+    "reverse": (0.10, reverse_word),
+    "repeat": (0.09, repeat_sentence),
+    "about": (0.05, about),
+    "other": (0.05, other),
+    "document": (0.05, document),
 }
 EVAL_TASKS: tuple[str, ...] = tuple(SINGLE_TASKS) + ("multi_turn",)
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are helpful.",
@@ -583,6 +688,8 @@ def training_conversation(rng: random.Random) -> Conversation:
         turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False) for _ in range(2)]
     else:
         turns = [_draw(rng, SINGLE_TASKS[_pick_task(rng)][1], False)]
+        if turns[0].task not in ("document", "other") and rng.random() < 0.04:
+            turns[0] = with_unrelated_file(rng, turns[0])
     return Conversation(mode, turns, system)
 
 
@@ -607,7 +714,7 @@ def messages_for(conv: Conversation, upto: int | None = None, *, answered: bool 
     for i, t in enumerate(turns):
         out.append({"role": "user", "content": t.question})
         if answered or i < len(turns) - 1:
-            rec = {"role": "assistant", "content": t.response}
+            rec = {"role": "assistant", "content": t.response_for(conv.mode)}
             if conv.mode != "off":
                 rec["reasoning_content"] = t.reasoning[conv.mode]
             out.append(rec)

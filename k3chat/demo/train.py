@@ -207,9 +207,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             g["lr"] = cur_lr
         ids, target = collate(torch, seqs, batches[step], pad)
         loads: list[Any] = []
-        logits = model(ids, loads)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1),
-                                                 ignore_index=-100)
+        scored = target != -100
+        logits = model(ids, loads, rows=scored)
+        loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -352,7 +352,7 @@ def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMP
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="k3chat train-demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
-    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--steps", type=int, default=1400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--batch-tokens", type=int, default=4096)
