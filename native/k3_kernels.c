@@ -820,13 +820,13 @@ float kk_situ(float g, float v, float b1, float b2) {
 #define KK_CHAIN_N 12
 
 #ifdef K3_X86
-K3_AVX2 static double kk_peak_avx2(long iters) {
+K3_AVX2 static double kk_peak_avx2(int64_t iters) {
     const __m256d m = _mm256_set1_pd(0.9999999), c = _mm256_set1_pd(1e-7);
 #define KK_DECL(k) __m256d a##k = _mm256_set1_pd(1.0 + (k) * 1e-3);
 #define KK_STEP(k) a##k = _mm256_fmadd_pd(a##k, m, c);
 #define KK_SUM(k) s = _mm256_add_pd(s, a##k);
     KK_CHAINS(KK_DECL)
-    for (long i = 0; i < iters; i++) {
+    for (int64_t i = 0; i < iters; i++) {
         KK_CHAINS(KK_STEP)
     }
     __m256d s = _mm256_setzero_pd();
@@ -841,13 +841,13 @@ K3_AVX2 static double kk_peak_avx2(long iters) {
 #define KK_PEAK_LANES 4
 #define kk_peak_simd kk_peak_avx2
 #elif defined(K3_NEON)
-static double kk_peak_neon(long iters) {
+static double kk_peak_neon(int64_t iters) {
     const float64x2_t m = vdupq_n_f64(0.9999999), c = vdupq_n_f64(1e-7);
 #define KK_DECL(k) float64x2_t a##k = vdupq_n_f64(1.0 + (k) * 1e-3);
 #define KK_STEP(k) a##k = vfmaq_f64(c, a##k, m);
 #define KK_SUM(k) s = vaddq_f64(s, a##k);
     KK_CHAINS(KK_DECL)
-    for (long i = 0; i < iters; i++) {
+    for (int64_t i = 0; i < iters; i++) {
         KK_CHAINS(KK_STEP)
     }
     float64x2_t s = vdupq_n_f64(0.0);
@@ -862,13 +862,13 @@ static double kk_peak_neon(long iters) {
 #endif
 
 /* Without SIMD: the same chains in scalar doubles (a multiply, then an add). */
-static double kk_peak_scalar(long iters) {
+static double kk_peak_scalar(int64_t iters) {
     const double m = 0.9999999, c = 1e-7;
 #define KK_DECL(k) double a##k = 1.0 + (k) * 1e-3;
 #define KK_STEP(k) a##k = a##k * m + c;
 #define KK_SUM(k) s = s + a##k;
     KK_CHAINS(KK_DECL)
-    for (long i = 0; i < iters; i++) {
+    for (int64_t i = 0; i < iters; i++) {
         KK_CHAINS(KK_STEP)
     }
     double s = 0.0;
@@ -880,9 +880,9 @@ static double kk_peak_scalar(long iters) {
 }
 
 typedef struct {
-    long iters;
+    int64_t iters;
     int simd;
-    volatile double sink; /* keeps the chains from being optimised away */
+    volatile double sink[64]; /* one per part: keeps the chains from being optimised away */
 } kk_peak_job;
 
 static void kk_peak_part(void *vctx, int b, int e) {
@@ -890,11 +890,11 @@ static void kk_peak_part(void *vctx, int b, int e) {
     for (int p = b; p < e; p++) {
 #ifdef K3_SIMD
         if (j->simd) {
-            j->sink = kk_peak_simd(j->iters);
+            j->sink[p] = kk_peak_simd(j->iters);
             continue;
         }
 #endif
-        j->sink = kk_peak_scalar(j->iters);
+        j->sink[p] = kk_peak_scalar(j->iters);
     }
 }
 
@@ -913,13 +913,13 @@ static double kk_peak_run(kk_peak_job *j, int threads) {
 
 double k3_fma_peak_gflops(double seconds, int32_t threads) {
     if (!(seconds > 0.0) || seconds > 60.0 || threads < 1 || threads > 64) return -1.0;
-    kk_peak_job j = {1 << 12, kk_cpu_has_simd(), 0.0};
+    kk_peak_job j = {1 << 12, kk_cpu_has_simd(), {0.0}};
     double t = kk_peak_run(&j, 1);
-    while (t < seconds / 20 && j.iters < (1L << 40)) { /* calibrate on one thread */
+    while (t < seconds / 20 && j.iters < ((int64_t)1 << 40)) { /* calibrate on one thread */
         j.iters *= 2;
         t = kk_peak_run(&j, 1);
     }
-    if (t > 0.0) j.iters = (long)((double)j.iters * (seconds / t)) + 1;
+    if (t > 0.0) j.iters = (int64_t)((double)j.iters * (seconds / t)) + 1;
     t = kk_peak_run(&j, threads);
     int lanes = 1;
 #ifdef K3_SIMD
