@@ -58,7 +58,12 @@ engine's counters), the achieved read rate per wall second and per second the co
 spent waiting for bytes (both labelled), expert cache hit rate, lookahead issued/used/wasted,
 the I/O-wait share of wall time; beside them the device's random-read bandwidth measured as
 `k3chat doctor` does (`k3engine.doctor.probe_disk`, expert-sized O_DIRECT reads at queue
-depth 1 and 8, in the benchmark directory). No numbers here are asserted anywhere.
+depth 1 and 8, in the benchmark directory). For the prompt (prefill): seconds, tokens/s,
+expert bytes read, and the achieved matmul GFLOP/s (2 x the multiply-adds the matmul kernels
+did, from the engine's `matmul_madds` counter, / wall seconds) beside the machine's double
+multiply-add peak (`k3_fma_peak_gflops`, independent FMA chains, on 1 thread and on the run's
+threads). `python -m k3engine.kernel_bench` times the matmul kernels alone at these widths
+without a checkpoint. No numbers here are asserted anywhere.
 """
 
 from __future__ import annotations
@@ -657,7 +662,8 @@ def drop_page_cache(files: Iterable[Path]) -> bool:
 
 _DELTA_KEYS = ("trunk_bytes_read", "expert_bytes_read", "cache_hits", "cache_misses", "cache_evictions",
                "lookahead_issued", "lookahead_used", "lookahead_wasted", "io_wait_ns",
-               "trunk_stream_reads", "expert_run_reads", "expert_fallback_reads", "expert_uses")
+               "trunk_stream_reads", "expert_run_reads", "expert_fallback_reads", "expert_uses",
+               "matmul_madds")
 
 
 def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -704,7 +710,23 @@ def _summary(d: dict[str, int], seconds: float, tokens: int) -> dict[str, Any]:
         "expert_fallback_reads": d["expert_fallback_reads"],
         "trunk_stream_reads": d["trunk_stream_reads"],
         "expert_uses": d["expert_uses"],
+        # compute: 2 flops per multiply-add the matmul kernels did (engine counter)
+        "matmul_madds": d["matmul_madds"],
+        "matmul_gflops": _ratio(2 * d["matmul_madds"] / 1e9, seconds),
     }
+
+
+def _fma_peak(threads: int, seconds: float) -> dict[str, Any]:
+    """The machine's double multiply-add peak (k3_fma_peak_gflops) on 1 and `threads` threads."""
+    from ._k3 import ffi, lib
+
+    out: dict[str, Any] = {"source": "k3_fma_peak_gflops (independent double FMA chains)",
+                           "simd": ffi.string(lib.k3_simd_kind()).decode(), "seconds": seconds}
+    for th in sorted({1, threads}):
+        g = float(lib.k3_fma_peak_gflops(seconds, th))
+        out[f"gflops_{th}_threads"] = g if g > 0 else None
+    out["gflops_run_threads"] = out[f"gflops_{threads}_threads"]
+    return out
 
 
 def _probe_device(d: Path, size_bytes: int, seconds: float) -> dict[str, Any]:
@@ -810,8 +832,11 @@ def run_bench(
     if probe:
         say(f"probing the device holding {d} (as k3chat doctor does)...")
         device = _probe_device(d, probe_bytes, probe_seconds)
+        say(f"measuring the double multiply-add peak on 1 and {threads} threads...")
+        peak = _fma_peak(threads, min(probe_seconds, 60.0))
     else:
         device = {"source": "not measured (probe=False)"}
+        peak = {"source": "not measured (probe=False)", "gflops_run_threads": None}
 
     rng = np.random.default_rng([shape.seed, 0x9E0])
     n_ranks = cfg.vocab - 256
@@ -846,6 +871,8 @@ def run_bench(
             prefill_s = time.perf_counter() - t0
             b = model.stats()
             prefill = _summary(_delta(a, b), prefill_s, prompt_tokens)
+            prefill["matmul_gflops_vs_peak"] = _ratio(prefill["matmul_gflops"] or 0.0,
+                                                      peak["gflops_run_threads"] or 0.0)
             per_token: list[dict[str, Any]] = []
             generated: list[int] = []
             total = {k: 0 for k in _DELTA_KEYS}
@@ -945,7 +972,7 @@ def run_bench(
             "files_bytes": marker.get("total_bytes"),
             "notes": (_read_json(d / MANIFEST_NAME) or {}).get("notes", []),
         },
-        "machine": {"cpus": os.cpu_count(), "threads": threads},
+        "machine": {"cpus": os.cpu_count(), "threads": threads, "fma_peak": peak},
         "settings": {
             "tokens": tokens, "prompt_tokens": prompt_tokens, "prefill_chunk": prefill_chunk,
             "lookahead": lookahead,
@@ -973,6 +1000,9 @@ def run_bench(
                               "includes experts the lookahead prefetched (hits_from_lookahead)",
             "lookahead_precision": "lookahead prefetches the real router then used / prefetches issued",
             "lookahead_coverage": "expert lookups served by a lookahead prefetch / all lookups",
+            "matmul_gflops": "2 x multiply-adds the BF16 and MXFP4 matmul kernels did (engine counter "
+                             "matmul_madds; attention and KDA state updates not counted) / wall seconds",
+            "matmul_gflops_vs_peak": "prefill matmul_gflops / machine.fma_peak at the run's thread count",
         },
     }
 
@@ -1018,9 +1048,16 @@ def format_report(res: dict[str, Any]) -> str:
             f"{_f(cmp_['read_vs_device_qd8'], '6.2f')} {_f(dec['cache_hit_rate'], '5.2f')} "
             f"{dec['lookahead_used']:>7d} {dec['lookahead_wasted']:>7d} {_f(dec['io_wait_share'], '7.1%')}")
     lines.append("")
-    for r in res["configs"]:  # prefill: what a prompt costs in expert reads and time
+    peak = res["machine"].get("fma_peak", {})
+    if peak.get("gflops_run_threads") is not None:
+        th = res["machine"]["threads"]
+        lines.append(f"double multiply-add peak ({peak['simd']}): {_f(peak.get('gflops_1_threads'), '.1f')} GFLOP/s "
+                     f"on 1 thread" + (f", {peak['gflops_run_threads']:.1f} on {th}" if th > 1 else ""))
+    for r in res["configs"]:  # prefill: what a prompt costs in expert reads, time and compute
         pf = r["prefill"]
-        lines.append(f"prefill {r['name']}: {_f(pf['seconds'], '.2f')} s, expert bytes read "
+        lines.append(f"prefill {r['name']}: {_f(pf['seconds'], '.2f')} s, {_f(pf['tokens_per_s'], '.2f')} tok/s, "
+                     f"matmuls {_f(pf.get('matmul_gflops'), '.2f')} GFLOP/s"
+                     f" ({_f(pf.get('matmul_gflops_vs_peak'), '.1%')} of peak), expert bytes read "
                      f"{pf['expert_bytes_read']:,}")
     for k, v in res["comparison"].items():
         if "speedup" in k:

@@ -118,6 +118,8 @@ typedef struct k3_stats {
     uint64_t expert_slots;          /* cache capacity in experts */
     uint64_t head_bytes_read;       /* lm_head blocks read (head_block_rows > 0); also in
                                      * trunk_bytes_read */
+    uint64_t matmul_madds;          /* multiply-adds done by the BF16/F32 and MXFP4 matmul
+                                     * kernels (rows x cols x tokens; not attention or KDA) */
 } k3_stats;
 
 typedef struct k3_model k3_model;
@@ -195,6 +197,18 @@ int64_t k3_kernel_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, int
 /* The same for a BF16 matrix [rows, cols]. */
 int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
                    float *y, int32_t simd, int32_t threads);
+/* The same two with the register-blocked multi-token SIMD path (blocked 1, the default
+ * everywhere else) or the path before it, one token at a time (blocked 0): same bits,
+ * kept so that a benchmark measures one against the other. */
+int64_t k3_kernel_mxfp4_path(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
+                             const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads,
+                             int32_t blocked);
+int k3_kernel_bf16_path(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
+                        float *y, int32_t simd, int32_t threads, int32_t blocked);
+/* The machine's double multiply-add peak in GFLOP/s (2 flops per multiply-add): independent
+ * chains on `threads` threads for about `seconds`, with the SIMD kernels' vectors when SIMD
+ * is available (k3_simd_kind).  -1 for seconds outside (0, 60] or threads outside 1..64. */
+double k3_fma_peak_gflops(double seconds, int32_t threads);
 int32_t k3_cpu_has_avx2(void);
 /* The SIMD kernels this build runs when SIMD is on: "avx2", "neon" or "none" (every
  * path gives the scalar path's bits). */

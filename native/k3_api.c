@@ -246,22 +246,33 @@ int k3_session_snapshot_drop(k3_session *s, int32_t snap_id) {
     return K3_OK;
 }
 
-int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
-                        const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads) {
+int64_t k3_kernel_mxfp4_path(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
+                             const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads,
+                             int32_t blocked) {
     if (rows < 1 || cols < 32 || cols % 32 || ntok < 1) return -1;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd(), !blocked, NULL};
     uint64_t nan = 0;
     kk_mxfp4_matmul(&c, packed, scales, rows, cols, x, cols, ntok, y, rows, &nan);
     return (int64_t)nan;
 }
 
-int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
-                   float *y, int32_t simd, int32_t threads) {
+int64_t k3_kernel_mxfp4(const uint8_t *packed, const uint8_t *scales, int32_t rows, int32_t cols,
+                        const float *x, int32_t ntok, float *y, int32_t simd, int32_t threads) {
+    return k3_kernel_mxfp4_path(packed, scales, rows, cols, x, ntok, y, simd, threads, 1);
+}
+
+int k3_kernel_bf16_path(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
+                        float *y, int32_t simd, int32_t threads, int32_t blocked) {
     if (rows < 1 || cols < 1 || ntok < 1) return K3_ERR_INVALID;
-    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd()};
+    kk_ctx c = {threads < 1 ? 1 : threads, simd && kk_cpu_has_simd(), !blocked, NULL};
     kk_mat m = {w, K3_DT_BF16, rows, cols};
     kk_matmul(&c, &m, x, cols, ntok, y, rows);
     return K3_OK;
+}
+
+int k3_kernel_bf16(const uint16_t *w, int32_t rows, int32_t cols, const float *x, int32_t ntok,
+                   float *y, int32_t simd, int32_t threads) {
+    return k3_kernel_bf16_path(w, rows, cols, x, ntok, y, simd, threads, 1);
 }
 
 int32_t k3_cpu_has_avx2(void) { return kk_cpu_has_avx2(); }

@@ -32,6 +32,9 @@ typedef struct kk_mat {
 typedef struct kk_ctx {
     int nthreads;
     int simd; /* 1: SIMD kernels, AVX2 or NEON (same bits as scalar) */
+    int per_token; /* 1: SIMD matmuls one token at a time, the path before register blocking
+                    * (same bits; kept so benchmarks measure the blocking); 0: blocked */
+    uint64_t *madds; /* if not NULL, every matmul adds the multiply-adds it does (atomic) */
 } kk_ctx;
 
 int kk_cpu_has_avx2(void);

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "k3_internal.h"
 
@@ -193,6 +194,35 @@ K3_AVX2 static double kk_dot_bf16_xd_avx2(const uint16_t *w, const double *xd, i
     return kk_hsum_tree(acc);
 }
 
+/* Pieces of the register-blocked multi-token kernels (kk_block_tok): 8 weights are loaded
+ * and widened once, then meet several tokens' lanes with kk_lanes_madd_xd's fused ops. */
+#define KK_SIMD_FN K3_AVX2
+typedef __m256 kk_f8; /* 8 floats */
+
+K3_AVX2 static inline kk_lanes kk_lanes_zero(void) {
+    kk_lanes a = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+    return a;
+}
+
+K3_AVX2 static inline kk_f8 kk_f8_load(const float *p) { return _mm256_loadu_ps(p); }
+
+/* 8 BF16 weights widened exactly to floats (as kk_dot_bf16_xd_avx2 does) */
+K3_AVX2 static inline kk_f8 kk_f8_bf16(const uint16_t *w) {
+    __m128i h = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+K3_AVX2 static inline kk_lanes kk_f8_widen(kk_f8 w) {
+    kk_lanes d = {_mm256_cvtps_pd(_mm256_castps256_ps128(w)), _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))};
+    return d;
+}
+
+/* lanes += w * x, w widened beforehand: the same fused ops as kk_lanes_madd_xd. */
+K3_AVX2 static inline void kk_lanes_fma(kk_lanes *a, kk_lanes w, const double *xd) {
+    a->lo = _mm256_fmadd_pd(w.lo, _mm256_loadu_pd(xd), a->lo);
+    a->hi = _mm256_fmadd_pd(w.hi, _mm256_loadu_pd(xd + 4), a->hi);
+}
+
 int kk_cpu_has_simd(void) { return kk_cpu_has_avx2(); }
 const char *k3_simd_kind(void) { return kk_cpu_has_avx2() ? "avx2" : "none"; }
 #define kk_dot_simd kk_dot_avx2
@@ -314,6 +344,39 @@ static double kk_dot_bf16_xd_neon(const uint16_t *w, const double *xd, int n) {
     }
     return kk_hsum_tree(acc);
 }
+/* Pieces of the register-blocked multi-token kernels, as on x86 (kk_f8_* there). */
+#define KK_SIMD_FN
+typedef struct {
+    float32x4_t lo, hi; /* floats 0..3, 4..7 */
+} kk_f8;
+
+static inline kk_f8 kk_f8_load(const float *p) {
+    kk_f8 w = {vld1q_f32(p), vld1q_f32(p + 4)};
+    return w;
+}
+
+static inline kk_f8 kk_f8_bf16(const uint16_t *w) {
+    kk_f8 f;
+    kk_bf16x8_neon(w, &f.lo, &f.hi);
+    return f;
+}
+
+static inline kk_lanes kk_f8_widen(kk_f8 w) {
+    kk_lanes d;
+    d.q[0] = vcvt_f64_f32(vget_low_f32(w.lo));
+    d.q[1] = vcvt_high_f64_f32(w.lo);
+    d.q[2] = vcvt_f64_f32(vget_low_f32(w.hi));
+    d.q[3] = vcvt_high_f64_f32(w.hi);
+    return d;
+}
+
+/* lanes += w * x, w widened beforehand: the same fused ops as kk_lanes_madd_xd. */
+static inline void kk_lanes_fma(kk_lanes *a, kk_lanes w, const double *xd) {
+    a->q[0] = vfmaq_f64(a->q[0], w.q[0], vld1q_f64(xd));
+    a->q[1] = vfmaq_f64(a->q[1], w.q[1], vld1q_f64(xd + 2));
+    a->q[2] = vfmaq_f64(a->q[2], w.q[2], vld1q_f64(xd + 4));
+    a->q[3] = vfmaq_f64(a->q[3], w.q[3], vld1q_f64(xd + 6));
+}
 #define kk_dot_simd kk_dot_neon
 #define kk_dot_bf16_simd kk_dot_bf16_neon
 #define kk_dot_xd_simd kk_dot_xd_neon
@@ -364,6 +427,88 @@ static double kk_dot_row_d(const kk_mat *w, int row, const float *x, int simd) {
 
 float kk_dot_row(const kk_mat *w, int row, const float *x, int simd) { return (float)kk_dot_row_d(w, row, x, simd); }
 
+#ifdef K3_SIMD
+/* Register blocking for several tokens (prefill): KK_TOK tokens' lanes sit in registers
+ * side by side, and each 8 weights of a row are loaded and widened once for all of them.
+ * Every token's lanes still get kk_dot_bf16_xd_simd's (or kk_dot_xd_simd's) fused ops in
+ * the same order, then the same tail and tree, so each output has the one-token bits.
+ * KK_ROWS rows take turns on one token block, KK_SPAN columns at a time, so that block's
+ * widened x (KK_TOK x KK_SPAN doubles, 16 KB) is read from L1 rather than L2 or L3. */
+#define KK_TOK 4
+#define KK_ROWS 8
+#define KK_SPAN 512 /* a multiple of 8 */
+
+/* acc[t] += w[i0..i1) . x_t[i0..i1) for t < KK_TOK, x_t = xd + t * ldx (i0, i1 multiples of 8). */
+KK_SIMD_FN static void kk_bf16_span_tok(const uint16_t *w, const double *xd, size_t ldx, int i0, int i1,
+                                        kk_lanes acc[KK_TOK]) {
+    kk_lanes a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+    const double *x0 = xd, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+    for (int i = i0; i < i1; i += 8) {
+        kk_lanes wd = kk_f8_widen(kk_f8_bf16(w + i));
+        kk_lanes_fma(&a0, wd, x0 + i);
+        kk_lanes_fma(&a1, wd, x1 + i);
+        kk_lanes_fma(&a2, wd, x2 + i);
+        kk_lanes_fma(&a3, wd, x3 + i);
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+/* The same for a float row (an MXFP4 row decoded once). */
+KK_SIMD_FN static void kk_f32_span_tok(const float *w, const double *xd, size_t ldx, int i0, int i1,
+                                       kk_lanes acc[KK_TOK]) {
+    kk_lanes a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+    const double *x0 = xd, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+    for (int i = i0; i < i1; i += 8) {
+        kk_lanes wd = kk_f8_widen(kk_f8_load(w + i));
+        kk_lanes_fma(&a0, wd, x0 + i);
+        kk_lanes_fma(&a1, wd, x1 + i);
+        kk_lanes_fma(&a2, wd, x2 + i);
+        kk_lanes_fma(&a3, wd, x3 + i);
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+/* One token's lanes after the full blocks: the one-token kernels' tail and tree. */
+KK_SIMD_FN static double kk_finish_tok(kk_lanes acc, const void *w, int bf16, const double *xd, int n8, int n) {
+    if (n8 == n) return kk_hsum_tree(acc);
+    double a[8];
+    kk_lanes_store(acc, a);
+    for (int i = n8; i < n; i++) {
+        double wi = bf16 ? (double)kk_bf16_to_f32(((const uint16_t *)w)[i]) : (double)((const float *)w)[i];
+        a[i - n8] = a[i - n8] + wi * xd[i];
+    }
+    return kk_tree(a);
+}
+
+/* nr <= KK_ROWS rows (BF16 when bf16, else float; row r at w + r * n elements) times the
+ * tokens [0, ntb) of xd ([ntb, n] widened; ntb a multiple of KK_TOK): Y[t * ldy + r]. */
+KK_SIMD_FN static void kk_block_tok(const void *w, int bf16, int nr, int n, const double *xd, int ntb, float *Y,
+                                    size_t ldy) {
+    int n8 = n & ~7;
+    kk_lanes acc[KK_ROWS][KK_TOK];
+    for (int t0 = 0; t0 < ntb; t0 += KK_TOK) {
+        const double *xt = xd + (size_t)t0 * n;
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < KK_TOK; t++) acc[r][t] = kk_lanes_zero();
+        for (int i0 = 0; i0 < n8; i0 += KK_SPAN) {
+            int i1 = n8 - i0 < KK_SPAN ? n8 : i0 + KK_SPAN;
+            for (int r = 0; r < nr; r++) {
+                if (bf16)
+                    kk_bf16_span_tok((const uint16_t *)w + (size_t)r * n, xt, (size_t)n, i0, i1, acc[r]);
+                else
+                    kk_f32_span_tok((const float *)w + (size_t)r * n, xt, (size_t)n, i0, i1, acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const void *wr = bf16 ? (const void *)((const uint16_t *)w + (size_t)r * n)
+                                  : (const void *)((const float *)w + (size_t)r * n);
+            for (int t = 0; t < KK_TOK; t++)
+                Y[(size_t)(t0 + t) * ldy + r] = (float)kk_finish_tok(acc[r][t], wr, bf16, xt + (size_t)t * n, n8, n);
+        }
+    }
+}
+#endif
+
 typedef struct {
     const kk_mat *w;
     const float *X;
@@ -371,6 +516,7 @@ typedef struct {
     float *Y;
     int ldy, simd;
     const double *Xd; /* X widened ([ntok, cols]) for the SIMD BF16 kernel, or NULL */
+    int per_token;    /* kk_ctx.per_token */
 } kk_mm_job;
 
 static void kk_mm_rows(void *vctx, int b, int e) {
@@ -379,10 +525,16 @@ static void kk_mm_rows(void *vctx, int b, int e) {
     if (j->Xd) {
         int n = j->w->cols;
         const uint16_t *base = (const uint16_t *)j->w->data;
-        for (int r = b; r < e; r++)
-            for (int t = 0; t < j->ntok; t++)
-                j->Y[(size_t)t * j->ldy + r] =
-                    (float)kk_dot_bf16_xd_simd(base + (size_t)r * n, j->Xd + (size_t)t * n, n);
+        /* whole token blocks in registers; the rest (ntok % KK_TOK) one token at a time */
+        int ntb = j->per_token ? 0 : j->ntok - j->ntok % KK_TOK;
+        for (int r0 = b; r0 < e; r0 += KK_ROWS) {
+            int r1 = e - r0 < KK_ROWS ? e : r0 + KK_ROWS;
+            if (ntb) kk_block_tok(base + (size_t)r0 * n, 1, r1 - r0, n, j->Xd, ntb, j->Y + r0, (size_t)j->ldy);
+            for (int r = r0; r < r1; r++)
+                for (int t = ntb; t < j->ntok; t++)
+                    j->Y[(size_t)t * j->ldy + r] =
+                        (float)kk_dot_bf16_xd_simd(base + (size_t)r * n, j->Xd + (size_t)t * n, n);
+        }
         return;
     }
 #endif
@@ -394,7 +546,8 @@ static void kk_mm_rows(void *vctx, int b, int e) {
 void kk_matmul(const kk_ctx *c, const kk_mat *w, const float *X, int ldx, int ntok, float *Y,
                int ldy) {
     double *xd = c->simd && w->dtype == K3_DT_BF16 ? kk_widen(X, ldx, ntok, w->cols) : NULL;
-    kk_mm_job j = {w, X, ldx, ntok, Y, ldy, c->simd, xd};
+    kk_mm_job j = {w, X, ldx, ntok, Y, ldy, c->simd, xd, c->per_token};
+    if (c->madds) __atomic_add_fetch(c->madds, (uint64_t)w->rows * (uint64_t)w->cols * (uint64_t)ntok, __ATOMIC_RELAXED);
     /* Small matrices are not worth waking the pool. */
     int nt = ((size_t)w->rows * w->cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
     kp_parallel_for(nt, w->rows, kk_mm_rows, &j);
@@ -568,7 +721,32 @@ typedef struct {
     int ldy, simd;
     uint64_t *nan_groups;
     const double *Xd; /* X widened ([ntok, cols]) for the SIMD kernels, or NULL */
+    int per_token;    /* kk_ctx.per_token */
 } kk_mx_job;
+
+#ifdef K3_SIMD
+/* Several tokens: KK_ROWS rows decoded once each (scale-255 groups counted once per row),
+ * then whole token blocks in registers (kk_block_tok) and the rest (ntok % KK_TOK) one
+ * token at a time, as the per-token path does.  0 if the row buffer cannot be had. */
+static int kk_mx_rows_blocked(const kk_mx_job *j, int b, int e) {
+    size_t pr = (size_t)j->cols / 2, sr = (size_t)j->cols / 32, n = (size_t)j->cols;
+    float *rows = (float *)malloc(sizeof(float) * KK_ROWS * n);
+    if (!rows) return 0;
+    int ntb = j->ntok - j->ntok % KK_TOK;
+    for (int r0 = b; r0 < e; r0 += KK_ROWS) {
+        int nr = e - r0 < KK_ROWS ? e - r0 : KK_ROWS;
+        for (int r = 0; r < nr; r++)
+            kk_mx_decode_row_simd(j->packed + (r0 + r) * pr, j->scales + (r0 + r) * sr, j->cols, rows + r * n,
+                                  j->nan_groups);
+        kk_block_tok(rows, 0, nr, j->cols, j->Xd, ntb, j->Y + r0, (size_t)j->ldy);
+        for (int r = 0; r < nr; r++)
+            for (int t = ntb; t < j->ntok; t++)
+                j->Y[(size_t)t * j->ldy + r0 + r] = (float)kk_dot_xd_simd(rows + r * n, j->Xd + (size_t)t * n, j->cols);
+    }
+    free(rows);
+    return 1;
+}
+#endif
 
 static void kk_mx_rows(void *vctx, int b, int e) {
     kk_mx_job *j = (kk_mx_job *)vctx;
@@ -581,6 +759,7 @@ static void kk_mx_rows(void *vctx, int b, int e) {
         }
         return;
     }
+    if (j->Xd && !j->per_token && j->ntok >= KK_TOK && kk_mx_rows_blocked(j, b, e)) return;
 #endif
     float row[16384]; /* km_check_config caps latent and expert widths at 16384 */
     for (int r = b; r < e; r++) {
@@ -606,7 +785,8 @@ void kk_mxfp4_matmul(const kk_ctx *c, const uint8_t *packed, const uint8_t *scal
                      int cols, const float *X, int ldx, int ntok, float *Y, int ldy,
                      uint64_t *nan_groups) {
     double *xd = c->simd ? kk_widen(X, ldx, ntok, cols) : NULL;
-    kk_mx_job j = {packed, scales, rows, cols, X, ldx, ntok, Y, ldy, c->simd, nan_groups, xd};
+    kk_mx_job j = {packed, scales, rows, cols, X, ldx, ntok, Y, ldy, c->simd, nan_groups, xd, c->per_token};
+    if (c->madds) __atomic_add_fetch(c->madds, (uint64_t)rows * (uint64_t)cols * (uint64_t)ntok, __ATOMIC_RELAXED);
     int nt = ((size_t)rows * cols * (size_t)ntok < 32768) ? 1 : c->nthreads;
     kp_parallel_for(nt, rows, kk_mx_rows, &j);
     free(xd);
@@ -631,4 +811,119 @@ float kk_situ(float g, float v, float b1, float b2) {
     /* the sigmoid takes the uncapped gate */
     double gate = ((double)b1 * tanh((double)g / b1)) * kk_sigmoid_d(g);
     return (float)(gate * ((double)b2 * tanh((double)v / b2)));
+}
+
+/* ---- the machine's double multiply-add peak, to print achieved GFLOP/s beside ----
+ * Independent chains a = a * m + c (m just below 1, so the values stay near 1: no overflow
+ * and no subnormals), more chains than FMA latency times FMA units on current cores. */
+#define KK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define KK_CHAIN_N 12
+
+#ifdef K3_X86
+K3_AVX2 static double kk_peak_avx2(int64_t iters) {
+    const __m256d m = _mm256_set1_pd(0.9999999), c = _mm256_set1_pd(1e-7);
+#define KK_DECL(k) __m256d a##k = _mm256_set1_pd(1.0 + (k) * 1e-3);
+#define KK_STEP(k) a##k = _mm256_fmadd_pd(a##k, m, c);
+#define KK_SUM(k) s = _mm256_add_pd(s, a##k);
+    KK_CHAINS(KK_DECL)
+    for (int64_t i = 0; i < iters; i++) {
+        KK_CHAINS(KK_STEP)
+    }
+    __m256d s = _mm256_setzero_pd();
+    KK_CHAINS(KK_SUM)
+    double o[4];
+    _mm256_storeu_pd(o, s);
+    return o[0] + o[1] + o[2] + o[3];
+#undef KK_DECL
+#undef KK_STEP
+#undef KK_SUM
+}
+#define KK_PEAK_LANES 4
+#define kk_peak_simd kk_peak_avx2
+#elif defined(K3_NEON)
+static double kk_peak_neon(int64_t iters) {
+    const float64x2_t m = vdupq_n_f64(0.9999999), c = vdupq_n_f64(1e-7);
+#define KK_DECL(k) float64x2_t a##k = vdupq_n_f64(1.0 + (k) * 1e-3);
+#define KK_STEP(k) a##k = vfmaq_f64(c, a##k, m);
+#define KK_SUM(k) s = vaddq_f64(s, a##k);
+    KK_CHAINS(KK_DECL)
+    for (int64_t i = 0; i < iters; i++) {
+        KK_CHAINS(KK_STEP)
+    }
+    float64x2_t s = vdupq_n_f64(0.0);
+    KK_CHAINS(KK_SUM)
+    return vgetq_lane_f64(s, 0) + vgetq_lane_f64(s, 1);
+#undef KK_DECL
+#undef KK_STEP
+#undef KK_SUM
+}
+#define KK_PEAK_LANES 2
+#define kk_peak_simd kk_peak_neon
+#endif
+
+/* Without SIMD: the same chains in scalar doubles (a multiply, then an add). */
+static double kk_peak_scalar(int64_t iters) {
+    const double m = 0.9999999, c = 1e-7;
+#define KK_DECL(k) double a##k = 1.0 + (k) * 1e-3;
+#define KK_STEP(k) a##k = a##k * m + c;
+#define KK_SUM(k) s = s + a##k;
+    KK_CHAINS(KK_DECL)
+    for (int64_t i = 0; i < iters; i++) {
+        KK_CHAINS(KK_STEP)
+    }
+    double s = 0.0;
+    KK_CHAINS(KK_SUM)
+    return s;
+#undef KK_DECL
+#undef KK_STEP
+#undef KK_SUM
+}
+
+typedef struct {
+    int64_t iters;
+    int simd;
+    volatile double sink[64]; /* one per part: keeps the chains from being optimised away */
+} kk_peak_job;
+
+static void kk_peak_part(void *vctx, int b, int e) {
+    kk_peak_job *j = (kk_peak_job *)vctx;
+    for (int p = b; p < e; p++) {
+#ifdef K3_SIMD
+        if (j->simd) {
+            j->sink[p] = kk_peak_simd(j->iters);
+            continue;
+        }
+#endif
+        j->sink[p] = kk_peak_scalar(j->iters);
+    }
+}
+
+static double kk_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* threads parts of `iters` iterations each, all at once: wall seconds */
+static double kk_peak_run(kk_peak_job *j, int threads) {
+    double t0 = kk_now();
+    kp_parallel_for(threads, threads, kk_peak_part, j);
+    return kk_now() - t0;
+}
+
+double k3_fma_peak_gflops(double seconds, int32_t threads) {
+    if (!(seconds > 0.0) || seconds > 60.0 || threads < 1 || threads > 64) return -1.0;
+    kk_peak_job j = {1 << 12, kk_cpu_has_simd(), {0.0}};
+    double t = kk_peak_run(&j, 1);
+    while (t < seconds / 20 && j.iters < ((int64_t)1 << 40)) { /* calibrate on one thread */
+        j.iters *= 2;
+        t = kk_peak_run(&j, 1);
+    }
+    if (t > 0.0) j.iters = (int64_t)((double)j.iters * (seconds / t)) + 1;
+    t = kk_peak_run(&j, threads);
+    int lanes = 1;
+#ifdef K3_SIMD
+    if (j.simd) lanes = KK_PEAK_LANES;
+#endif
+    return t > 0.0 ? 2.0 * KK_CHAIN_N * lanes * (double)j.iters * threads / t / 1e9 : -1.0;
 }

@@ -14,6 +14,10 @@
 void km_kk_ctx(const k3_model *m, kk_ctx *c) {
     c->nthreads = m->nthreads;
     c->simd = m->simd_available && !m->force_scalar;
+    c->per_token = 0;
+    /* a statistics counter, bumped atomically like the readers' (the model is const here
+     * only because the layer code reads it) */
+    c->madds = (uint64_t *)&m->stats.matmul_madds;
 }
 
 /* AttnRes over sources src[0..n) for ntok tokens: softmax over key-normalised scores,

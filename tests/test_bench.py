@@ -303,8 +303,19 @@ def test_run_bench_tiny_returns_every_field(tiny_bench: Path) -> None:
         else:
             assert dec["trunk_bytes_read"] == 0
         assert c["prefill"]["tokens"] == 4
+        pf = c["prefill"]  # compute: the engine's multiply-add counter over the prompt's wall time
+        assert pf["matmul_madds"] > 0 and pf["tokens_per_s"] > 0
+        assert math.isclose(pf["matmul_gflops"], 2 * pf["matmul_madds"] / 1e9 / pf["seconds"])
+        assert math.isclose(pf["matmul_gflops_vs_peak"], pf["matmul_gflops"] / res["machine"]["fma_peak"]["gflops_run_threads"])
+    peak = res["machine"]["fma_peak"]
+    assert peak["gflops_1_threads"] > 0 and peak["gflops_run_threads"] == peak["gflops_1_threads"]  # threads=1
+    by = {c["name"]: c["prefill"]["matmul_madds"] for c in res["configs"]}
+    # the same prompt does the same matmuls whether the trunk streams; the lookahead adds its router's
+    assert by["resident/lookahead=0"] == by["streamed-ring2/lookahead=0"] < by["resident/lookahead=4"]
     assert "resident: lookahead speedup (s/token off / on)" in res["comparison"]
-    assert "resident/lookahead=4" in bench.format_report(res)
+    report = bench.format_report(res)
+    assert "resident/lookahead=4" in report
+    assert "double multiply-add peak" in report and " tok/s, matmuls " in report and "of peak)" in report
 
 
 def test_main_bench_writes_json_and_exit_codes(tiny_bench: Path, tmp_path: Path,

@@ -107,14 +107,15 @@ static void check_dots(void) {
 }
 
 /* BF16, F16 and F32 weight rows: kk_dot_row, then kk_matmul (which widens x once for the
- * SIMD BF16 kernel) at 1 and 3 tokens, 1 and 2 threads. */
+ * SIMD BF16 kernel) at 1, 3 and 9 tokens (9: two register blocks of 4 and one token on its
+ * own), 1 and 2 threads. */
 static void check_matmuls(void) {
     static const int ROWS[] = {1, 5, 13, 64};
     for (int k = 0; k < NLEN; k++) {
         int cols = LENGTHS[k];
         if (cols == 0) continue;
         for (int ri = 0; ri < 4; ri++) {
-            int rows = ROWS[ri], ntok = 3;
+            int rows = ROWS[ri], ntok = 9;
             float *wf = xmalloc(sizeof(float) * (size_t)rows * cols), *x = xmalloc(sizeof(float) * (size_t)ntok * cols);
             uint16_t *wb = xmalloc(2 * (size_t)rows * cols), *wh = xmalloc(2 * (size_t)rows * cols);
             float *y0 = xmalloc(sizeof(float) * (size_t)ntok * rows), *y1 = xmalloc(sizeof(float) * (size_t)ntok * rows);
@@ -135,8 +136,10 @@ static void check_matmuls(void) {
                     snprintf(what, sizeof what, "kk_dot_row %s rows=%d cols=%d r=%d", names[d], rows, cols, r);
                     check(what, &a, &b, sizeof a);
                 }
-                for (int nt = 1; nt <= 3; nt += 2)
+                static const int NTOK[] = {1, 3, 9};
+                for (int ni = 0; ni < 3; ni++)
                     for (int th = 1; th <= 2; th++) {
+                        int nt = NTOK[ni];
                         kk_ctx c0 = {1, 0}, c1 = {th, 1};
                         kk_matmul(&c0, &mats[d], x, cols, nt, y0, rows);
                         kk_matmul(&c1, &mats[d], x, cols, nt, y1, rows);
@@ -151,14 +154,15 @@ static void check_matmuls(void) {
 
 /* MXFP4 from packed bytes: -0 codes, subnormal scales 0 and 1, the largest finite scale
  * 252, NaN scale 255 (a zero group, counted); row counts around the 4-row SIMD block;
- * one token (the fused kernel) and several (decode, then the widened-x dot). */
+ * one token (the fused kernel) and several (decode, then the widened-x dot: 2 one token at
+ * a time, 4 and 9 in register blocks of 4 and 9's last token on its own). */
 static void check_mxfp4(void) {
     static const int ROWS[] = {1, 3, 4, 5, 9, 13};
     static const int COLS[] = {32, 64, 96, 3584};
-    static const int NTOK[] = {1, 2, 4};
+    static const int NTOK[] = {1, 2, 4, 9};
     for (int ci = 0; ci < 4; ci++)
         for (int ri = 0; ri < 6; ri++)
-            for (int ti = 0; ti < 3; ti++) {
+            for (int ti = 0; ti < 4; ti++) {
                 int rows = ROWS[ri], cols = COLS[ci], ntok = NTOK[ti], groups = cols / 32;
                 uint8_t *p = xmalloc((size_t)rows * cols / 2), *s = xmalloc((size_t)rows * groups);
                 float *x = xmalloc(sizeof(float) * (size_t)ntok * cols);
