@@ -177,8 +177,8 @@ def main(argv: Sequence[str]) -> int:
     names = [t for t in args.tasks.split(",") if t]
     bad = [m for m in modes if m not in MODES] + [t for t in names if t not in EVAL_TASKS]
     if bad or args.n < 1:
-        print(f"k3chat eval-demo: unknown mode or task {bad}" if bad else "k3chat eval-demo: --n must be >= 1",
-              file=sys.stderr)
+        print(f"k3chat eval-demo: unknown mode or task {', '.join(bad)} (modes: {','.join(MODES)}; tasks: "
+              f"{','.join(EVAL_TASKS)})" if bad else "k3chat eval-demo: --n must be >= 1", file=sys.stderr)
         return 2
     from k3chat.chat_cli import json_path_problem
 
