@@ -103,7 +103,10 @@ def test_repeat_reasoning_copies_the_sentence_and_reverse_numbers_its_letters() 
         r = tasks.reverse_word(rng)[1]()
         word = _independent_answer("reverse", r.question)[::-1]
         n = len(word)
-        assert f"{n} {word[-1]}, {n - 1} {word[-2]}" in r.reasoning["high"], r.reasoning["high"]
+        for effort in tasks.EFFORTS:
+            # read back by number from the last, then the reversed word on a line of its own
+            assert f" {n}{word[-1]} {n - 1}{word[-2]} " in r.reasoning[effort], r.reasoning[effort]
+            assert r.reasoning[effort].endswith("\n" + word[::-1]), r.reasoning[effort]
         assert r.response_for("off").endswith(r.response)
 
 

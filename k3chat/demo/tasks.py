@@ -350,6 +350,20 @@ _COUNT_Q = ("How many {c}'s are in {w}?", "How many times does the letter {c} ap
             "In the word {w}, how many {c}'s are there?", "how many {c} in {w}?")
 
 
+def _letter_lines(w: str, c: str | None = None) -> str:
+    """The word one letter per line, each letter the very id it has inside the word (after a
+    newline a letter is bare, as inside a word; after a space it would be another id, " r").
+    Counting, each letter c gets its running count: "r (2)"."""
+    lines, n = [], 0
+    for ch in w:
+        if ch == c:
+            n += 1
+            lines.append(f"{ch} ({n})")
+        else:
+            lines.append(ch)
+    return "\n".join(lines)
+
+
 def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     w = rng.choice(WORDS)
     c = rng.choice(w) if rng.random() < 0.8 else rng.choice(LETTERS)
@@ -357,19 +371,12 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 
     def make() -> Turn:
         q = rng.choice(_COUNT_Q).format(c=c, w=w)
-        n, parts, low_parts = 0, [], []
-        for ch in w:
-            if ch == c:
-                n += 1
-                parts.append(f"{ch} ({n})")
-                low_parts.append(f"{ch}({n})")
-            else:
-                parts.append(ch)
-                low_parts.append(ch)
+        n = w.count(c)
         times = f"{n} time{'s' if n != 1 else ''}"
-        spelled = ", ".join(parts) + "."
+        # " {w}" and " {c}" are written as the question writes them (after a space): same ids
+        spelled = _letter_lines(w, c)
         reasoning = {
-            "low": " ".join(low_parts) + f". {n}.",
+            "low": f"Spell {w}, count {c}:\n{spelled}\nSo {n}.",
             "high": f"Spell {w} and count each {c}.\n{spelled}\nThe letter {c} appears {times}.",
             "max": (f"The question asks how many times the letter {c} occurs in the word {w}. I will "
                     f"spell the word letter by letter and keep a running count of every {c}.\n{spelled}\n"
@@ -380,7 +387,7 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
                            f"The word {w} has **{n}** {label}.",
                            f"**{n}**: the letter {c} appears {times} in {w}."))
         return Turn("count", key, q, reasoning, resp, (str(n),), value=n,
-                    off_response=f"{' '.join(low_parts)}.\n\n{resp}")
+                    off_response=f"{reasoning['low']}\n\n{resp}")
 
     return key, make
 
@@ -396,19 +403,22 @@ def reverse_word(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 
     def make() -> Turn:
         rev = w[::-1]
-        # Numbered letters: reading back is then a look-up of "n-1", not a count of positions.
-        numbered = [f"{i} {c}" for i, c in enumerate(w, 1)]
-        fwd, bwd = ", ".join(numbered), ", ".join(reversed(numbered))
-        body = f"Spell {w}: {fwd}.\nRead the letters from last to first: {bwd}.\nJoined together: {rev}."
-        low = f"{' '.join(numbered)}. Backwards: {' '.join(reversed(numbered))}."
+        # Numbered letters, "1p 2l 3a": a digit keeps the letter after it bare, the id it has
+        # inside the word, and reading back is a look-up of the number n-1, not a count of
+        # positions. The reversed word is written at a line start (bare, as after "**").
+        numbered = [f"{i}{c}" for i, c in enumerate(w, 1)]
+        fwd, bwd = " ".join(numbered), " ".join(reversed(numbered))
+        body = (f"Spell {w} and number the letters: {fwd}\nRead them from {len(w)} down to 1: {bwd}\n"
+                f"Joined together:\n{rev}")
+        low = f"Spell {w}: {fwd}\nBackwards: {bwd}\n{rev}"
         reasoning = {
-            "low": f"{low} {rev}.",
+            "low": low,
             "high": body,
-            "max": (f"The task is to write the word {w} backwards. I will spell it, then read the "
-                    f"letters from the end to the start and join them.\n{body}\nSo {w} reversed is {rev}."),
+            "max": (f"The task is to write the word {w} backwards. I will number its letters, read them "
+                    f"from the last number down to 1 and join them.\n{body}"),
         }
         resp = rng.choice((f"The word {w} reversed is **{rev}**.", f"**{rev}**",
-                           f"{w} backwards is **{rev}**."))
+                           f"Backwards, {w} is **{rev}**."))
         return Turn("reverse", key, _REV_Q[qi].format(w=w), reasoning, resp, (rev,),
                     off_response=f"{low}\n\n{resp}")
 
@@ -424,13 +434,16 @@ def repeat_sentence(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     key = f"repeat:{s}"
 
     def make() -> Turn:
-        # The reasoning copies the sentence once: the answer then copies from nearby.
+        # The reasoning copies the sentence once, after ": " as the question has it and last (a
+        # newline after it would join its final "?" into another id), so every id is the
+        # question's; the answer then copies it from nearby, its first word bare.
+        # (Copying in pieces would start each piece on a new line: another id for its word.)
         reasoning = {
             "low": f"Copy it exactly: {s}",
-            "high": f"The user wants the sentence back exactly, word for word:\n{s}",
+            "high": f"The user wants the sentence back exactly, word for word: {s}",
             "max": ("The user asks me to repeat a sentence. I should copy it exactly as given, keeping "
-                    f"every word, the capital letters and the punctuation, and add nothing else:\n{s}\n"
-                    "That is the whole answer."),
+                    f"every word, the capital letters and the punctuation, and add nothing else. That is "
+                    f"the whole answer: {s}"),
         }
         return Turn("repeat", key, rng.choice(_REPEAT_Q).format(s=s), reasoning, s, (s,), extract="whole")
 
@@ -558,12 +571,22 @@ def _notes_text(rng: random.Random) -> str:
                      else _sentence(rng) for _ in range(rng.randint(1, 3)))
 
 
-def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
+def _doc_line(name: str, label: str, value: int) -> str:
+    """One figure's line as the file writes it."""
     if name.endswith(".csv"):
-        return "item,count\n" + "\n".join(f"{label},{value}" for label, value in rows)
+        return f"{label},{value}"
     if name.endswith(".md"):
-        return "# Figures\n\n" + "\n".join(f"- {label}: {value}" for label, value in rows)
-    return "\n".join(f"{label}: {value}" for label, value in rows)
+        return f"- {label}: {value}"
+    return f"{label}: {value}"
+
+
+def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
+    lines = "\n".join(_doc_line(name, label, value) for label, value in rows)
+    if name.endswith(".csv"):
+        return "item,count\n" + lines
+    if name.endswith(".md"):
+        return "# Figures\n\n" + lines
+    return lines
 
 
 def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
@@ -583,12 +606,16 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         # "the two numbers" only when there are two; "the first" only when it is the first
         generic = len(rows) == 2 and (op == "+" or (i, j) == (0, 1))
         q = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q]).format(name=name, x=x, y=y)
-        lead = f"The file {name} gives {x}: {a} and {y}: {b}. So {a} {op} {b}."
+        # The two lines are quoted as the file has them, each after a newline of its own (as
+        # in the file): the same ids, label and number, in the reasoning and in the answer.
+        quoted = f"{_doc_line(name, x, a)}\n{_doc_line(name, y, b)}"
+        lead = f"The lines in the file\n{quoted}\nSo {a} {op} {b}."
         reasoning, r, off = _arith_reasoning(a, op, b, lead=lead)
-        resp = f"{x} {op} {y} = {a} {op} {b} = **{r}**."
+        block = f"```text\n{quoted}\n```"     # "```text": the first line's newline is an id of its own
+        resp = f"{block}\n\n{a} {op} {b} = **{r}**."
         message = render_user_message(q, [_attachment(rng, _doc_text(name, rows), name)])
         return Turn("document", key, message, reasoning, resp, (str(r),), value=r,
-                    off_response=f"From {name}: {x} is {a}, {y} is {b}.\n\n{off}")
+                    off_response=f"{block}\n\n{off}")
 
     return key, make
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -24,11 +25,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import tiktoken
 
 from k3engine.fixture import (LM, LayerTensors, ModelTensors, Preset, build_config, plan_shards,
                               read_special_ids)
 from k3engine.private_files import make_private_dirs, open_private, write_private
-from k3engine.tokenizer_files import piece_counts, write_tokenizer
+from k3engine.tokenizer_files import K3_PAT_STR, piece_counts, write_tokenizer
 from k3engine.writer import EXPERT_PARTS, bf16_tensor, f32_tensor, quantize_checked, u8_tensor, write_sharded
 
 from . import corpus, tasks
@@ -64,6 +66,7 @@ DEMO_PRESET = Preset(
 N_RANKS = 1024
 MIN_PIECE_COUNT = 5
 BPE_SAMPLE = 6000
+LETTERS = bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
 PROMPT_SEED = 20261201
 PROMPTS_PER_TASK_MODE = 1        # 13 tasks x 4 modes = 52 recorded prompts
 MAX_NEW = 400
@@ -74,35 +77,69 @@ def _log(msg: str) -> None:
 
 
 def _is_puzzle_piece(piece: bytes) -> bool:
-    """Digits and the words the puzzles are about (the words to spell, count in, reverse or
-    repeat): these stay one digit or letter per token."""
+    """Digits, the words the puzzles are about (the words to spell, count in, reverse or
+    repeat) and their reversals, and a letter with its plural ("r's"): these stay one digit
+    or letter per token, so the letter asked about is the letter's own id."""
     text = piece.decode("utf-8", errors="replace")
     if any(c.isdigit() for c in text):
         return True
     word = text.strip().lower()
-    return word.isalpha() and word in tasks.puzzle_words()
+    if re.fullmatch(r"[a-z]'s", word):
+        return True
+    words = tasks.puzzle_words()
+    return word.isalpha() and (word in words or word[::-1] in words)
 
 
-def learn_vocabulary(freq: Counter[bytes], n_ranks: int, min_count: int = MIN_PIECE_COUNT) -> dict[bytes, int]:
-    """tiktoken ranks for the demo: the 256 bytes, then the whole pieces of the training text
-    (K3's pre-tokenizer cuts them) seen at least ``min_count`` times, most frequent first, at
-    most ``n_ranks`` in all.
+def _puzzle_forms() -> list[str]:
+    """Each puzzle word and its reversal, bare (at a line start) and after a space."""
+    return [space + form for w in sorted(tasks.puzzle_words()) for form in (w, w[::-1]) for space in ("", " ")]
 
-    BPE emits a piece that is itself a token directly, so the scaffolding of the reasoning
-    ("Write", " carry", "`thinking") costs one id per piece. Puzzle pieces are never ranks:
-    BPE then builds them from bytes (merging only pairs that are themselves pieces, like the
-    spelled " a"), so a word reads as its letters and spelling it is copying, which a model
-    this small learns from a few thousand examples; a whole-word id would have to be
-    memorised word by word."""
+
+def merged_inside_puzzle_words(ranks: dict[bytes, int]) -> set[bytes]:
+    """The multi-letter tokens BPE would build inside a puzzle word (" do" in " donkey",
+    " to" in " tomato"): such a word would no longer read as its letters."""
+    enc = tiktoken.Encoding("k3chat-demo-check", pat_str=K3_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    inside: set[bytes] = set()
+    for form in _puzzle_forms():
+        for token in enc.decode_tokens_bytes(enc.encode_ordinary(form)):
+            if len(token.strip()) > 1:
+                inside.add(token)
+    return inside
+
+
+def _ranks_from(freq: Counter[bytes], n_ranks: int, min_count: int, refused: set[bytes]) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
+    for letter in LETTERS:             # " x" even if no x is spelled: " xof" is " x", "o", "f"
+        ranks[b" " + bytes([letter])] = len(ranks)
     for piece, count in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(ranks) >= n_ranks:
             break
         if count < min_count:
             break
-        if len(piece) > 1 and piece not in ranks and not _is_puzzle_piece(piece):
+        if len(piece) > 1 and piece not in ranks and piece not in refused and not _is_puzzle_piece(piece):
             ranks[piece] = len(ranks)
     return ranks
+
+
+def learn_vocabulary(freq: Counter[bytes], n_ranks: int, min_count: int = MIN_PIECE_COUNT) -> dict[bytes, int]:
+    """tiktoken ranks for the demo: the 256 bytes, each letter after a space (" a" to " Z"),
+    then the whole pieces of the training text (K3's pre-tokenizer cuts them) seen at least
+    ``min_count`` times, most frequent first, at most ``n_ranks`` in all.
+
+    BPE emits a piece that is itself a token directly, so the scaffolding of the reasoning
+    ("Write", " carry", "`thinking") costs one id per piece. Puzzle pieces are never ranks,
+    nor is any piece BPE would merge inside a puzzle word (the spelled " d" and "o" would
+    make the word " do" inside " donkey"): a puzzle word is then always its letters, one id
+    each (the first after a space, " d", the others bare, "o"), wherever it is written, so
+    spelling, counting in, reversing or repeating it copies those ids; a whole-word id would
+    have to be memorised word by word."""
+    refused: set[bytes] = set()
+    while True:        # refusing one piece frees a rank for the next, which may merge too
+        ranks = _ranks_from(freq, n_ranks, min_count, refused)
+        inside = merged_inside_puzzle_words(ranks)
+        if not inside:
+            return ranks
+        refused |= inside
 
 
 # ------------------------------------------------------------------------------ data
