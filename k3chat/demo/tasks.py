@@ -350,10 +350,10 @@ _COUNT_Q = ("How many {c}'s are in {w}?", "How many times does the letter {c} ap
             "In the word {w}, how many {c}'s are there?", "how many {c} in {w}?")
 
 
-def _letter_lines(w: str, c: str | None = None) -> str:
+def _letter_lines(w: str, c: str) -> str:
     """The word one letter per line, each letter the very id it has inside the word (after a
     newline a letter is bare, as inside a word; after a space it would be another id, " r").
-    Counting, each letter c gets its running count: "r (2)"."""
+    Each letter c gets its running count: "r (2)"."""
     lines, n = [], 0
     for ch in w:
         if ch == c:
