@@ -58,7 +58,10 @@ engine's counters), the achieved read rate per wall second and per second the co
 spent waiting for bytes (both labelled), expert cache hit rate, lookahead issued/used/wasted,
 the I/O-wait share of wall time; beside them the device's random-read bandwidth measured as
 `k3chat doctor` does (`k3engine.doctor.probe_disk`, expert-sized O_DIRECT reads at queue
-depth 1 and 8, in the benchmark directory). For the prompt (prefill): seconds, tokens/s,
+depths 1, 4, 8 and 16, in the benchmark directory). Against the disk, per configuration:
+steady decode s/token (after the first token), end-to-end seconds per decoded token with the
+prompt, the decode and prefill read rates beside the probe's best depth, and steady s/token
+beside the bound bytes-read-per-token / that rate. For the prompt (prefill): seconds, tokens/s,
 expert bytes read, and the achieved matmul GFLOP/s (2 x the multiply-adds the matmul kernels
 did, from the engine's `matmul_madds` counter, / wall seconds) beside the machine's double
 multiply-add peak (`k3_fma_peak_gflops`, independent FMA chains, on 1 thread and on the run's
@@ -716,6 +719,27 @@ def _summary(d: dict[str, int], seconds: float, tokens: int) -> dict[str, Any]:
     }
 
 
+def _disk_bound(dec: dict[str, Any], pf: dict[str, Any], best: float | None, tokens: int) -> dict[str, Any]:
+    """Decode and prefill against the disk: the achieved read rate beside the device's best
+    (the doctor's probe at its best queue depth), and steady s/token beside the time the
+    bytes read per token would take at that rate (the bound a disk-bound run approaches)."""
+    steady = dec.get("s_per_token_after_first") or dec["s_per_token"]
+    read_per_token = (dec["bytes_read"] / tokens) if tokens else 0
+    bound = read_per_token / 1e9 / best if best else None
+    return {
+        "steady_s_per_token": steady,
+        "end_to_end_s_per_token": (pf["seconds"] + dec["seconds"]) / tokens if tokens else None,
+        "io_wait_share": dec["io_wait_share"],
+        "prefill_io_wait_share": pf["io_wait_share"],
+        "device_best_gb_per_s": best,
+        "read_vs_device_best": _ratio(dec["read_gb_per_s_wall"] or 0.0, best) if best else None,
+        "prefill_read_gb_per_s_wall": pf["read_gb_per_s_wall"],
+        "prefill_read_vs_device_best": _ratio(pf["read_gb_per_s_wall"] or 0.0, best) if best else None,
+        "disk_bound_s_per_token": bound,
+        "steady_vs_disk_bound": _ratio(steady, bound) if bound else None,
+    }
+
+
 def _fma_peak(threads: int, seconds: float) -> dict[str, Any]:
     """The machine's double multiply-add peak (k3_fma_peak_gflops) on 1 and `threads` threads."""
     from ._k3 import ffi, lib
@@ -745,6 +769,8 @@ def _probe_device(d: Path, size_bytes: int, seconds: float) -> dict[str, Any]:
                       "seconds": p.seconds, "gb_per_s": p.gb_per_s} for p in r.phases]
     for p in r.phases:
         out[f"qd{p.queue_depth}_gb_per_s"] = p.gb_per_s
+    top = max(r.phases, key=lambda p: p.gb_per_s)
+    out["best_queue_depth"], out["best_gb_per_s"] = top.queue_depth, top.gb_per_s
     return out
 
 
@@ -776,6 +802,8 @@ def run_bench(
     lookahead: int = 16,
     cache_slots: int | None = None,
     reader_threads: int = 8,
+    trunk_readers: int = 1,
+    trunk_piece_bytes: int = 0,
     direct_io: bool = True,
     streamed: bool = True,
     cold_trunk: bool = True,
@@ -857,7 +885,8 @@ def run_bench(
         drops.append(dropped)
         opts = StreamOptions(expert_cache_bytes=cache_bytes, reader_threads=reader_threads,
                              direct_io=direct_io, lookahead=la, prefetch=True, trunk_stream=stream,
-                             ring_slots=2, prefill_chunk=prefill_chunk)
+                             ring_slots=2, prefill_chunk=prefill_chunk, trunk_readers=trunk_readers,
+                             trunk_piece_bytes=trunk_piece_bytes)
         t0 = time.perf_counter()
         model = Model(d, threads=threads, streaming=opts)
         open_s = time.perf_counter() - t0
@@ -925,6 +954,8 @@ def run_bench(
             "expert_slots": int(st_open["expert_slots"]),
             "direct_io": bool(final["direct_io"]),
             "direct_io_refused": bool(final["direct_io_refused"]),
+            "trunk_readers": trunk_readers if stream else None,
+            "trunk_inflight_max": int(final["trunk_inflight_max"]),
             "page_cache_dropped_before": dropped,
             "cold_trunk_each_token": bool(stream and cold_trunk and drop_cache),
             "open_s": open_s,
@@ -942,10 +973,12 @@ def run_bench(
 
     comparison: dict[str, Any] = {}
     qd1, qd8 = device.get("qd1_gb_per_s"), device.get("qd8_gb_per_s")
+    best = device.get("best_gb_per_s")
     for r in results:
-        dec = r["decode"]
+        dec, pf = r["decode"], r["prefill"]
         comparison[r["name"]] = {
             "s_per_token": dec["s_per_token"],
+            **_disk_bound(dec, pf, best, tokens),
             "gb_read_per_token": dec["gb_read_per_token"],
             "read_gb_per_s_wall": dec["read_gb_per_s_wall"],
             "read_vs_device_qd8": _ratio(dec["read_gb_per_s_wall"] or 0.0, qd8) if qd8 else None,
@@ -977,7 +1010,8 @@ def run_bench(
             "tokens": tokens, "prompt_tokens": prompt_tokens, "prefill_chunk": prefill_chunk,
             "lookahead": lookahead,
             "cache_slots": slots, "slot_bytes": shape.slot_bytes, "expert_cache_bytes": cache_bytes,
-            "reader_threads": reader_threads, "direct_io_requested": direct_io, "sampling": "greedy",
+            "reader_threads": reader_threads, "trunk_readers": trunk_readers, "trunk_piece_bytes": trunk_piece_bytes,
+            "direct_io_requested": direct_io, "sampling": "greedy",
         },
         "device": device,
         "page_cache": {
@@ -1003,6 +1037,14 @@ def run_bench(
             "matmul_gflops": "2 x multiply-adds the BF16 and MXFP4 matmul kernels did (engine counter "
                              "matmul_madds; attention and KDA state updates not counted) / wall seconds",
             "matmul_gflops_vs_peak": "prefill matmul_gflops / machine.fma_peak at the run's thread count",
+            "steady_s_per_token": "mean decode seconds per token after the first decoded token",
+            "end_to_end_s_per_token": "(prefill seconds + decode seconds) / decoded tokens",
+            "device_best_gb_per_s": "the device probe (as k3chat doctor) at its best queue depth",
+            "read_vs_device_best": "decode read_gb_per_s_wall / device_best_gb_per_s",
+            "disk_bound_s_per_token": "bytes read per decoded token / device_best_gb_per_s",
+            "steady_vs_disk_bound": "steady_s_per_token / disk_bound_s_per_token (1.0 = the disk's "
+                                    "speed; below 1 the run beat the probe's rate)",
+            "trunk_inflight_max": "most streamed trunk read requests in flight at once",
         },
     }
 
@@ -1027,8 +1069,9 @@ def format_report(res: dict[str, Any]) -> str:
         f"{st['tokens']} decoded tokens (greedy)",
     ]
     if "qd8_gb_per_s" in dev:
-        lines.append(f"device: {dev['mode']}, {dev['read_bytes']:,} B random reads: "
-                     f"QD1 {dev['qd1_gb_per_s']:.2f} GB/s, QD8 {dev['qd8_gb_per_s']:.2f} GB/s")
+        depths = ", ".join(f"QD{p['queue_depth']} {p['gb_per_s']:.2f}" for p in dev["phases"])
+        lines.append(f"device: {dev['mode']}, {dev['read_bytes']:,} B random reads: {depths} GB/s; "
+                     f"best QD{dev.get('best_queue_depth')} {_f(dev.get('best_gb_per_s'), '.2f')} GB/s")
     else:
         lines.append(f"device: {dev.get('error') or dev.get('source')}")
     pc = res["page_cache"]
@@ -1047,6 +1090,27 @@ def format_report(res: dict[str, Any]) -> str:
             f"{_f(dec['read_gb_per_s_wall'], '9.2f')} {_f(dec['read_gb_per_s_io_wait'], '8.2f')} "
             f"{_f(cmp_['read_vs_device_qd8'], '6.2f')} {_f(dec['cache_hit_rate'], '5.2f')} "
             f"{dec['lookahead_used']:>7d} {dec['lookahead_wasted']:>7d} {_f(dec['io_wait_share'], '7.1%')}")
+    head = (f"{'against the disk':<28} {'steady':>7} {'e2e/tok':>7} {'bound':>6} {'vs bnd':>6} "
+            f"{'GB/s':>5} {'vs dev':>6} {'pf GB/s':>7} {'pf vs':>6} {'io wait':>7}")
+    lines += ["", head, "-" * len(head)]
+    for r in res["configs"]:
+        c = res["comparison"][r["name"]]
+        if "steady_s_per_token" not in c:
+            continue
+        lines.append(
+            f"{r['name']:<28} {_f(c['steady_s_per_token'], '7.3f')} {_f(c['end_to_end_s_per_token'], '7.3f')} "
+            f"{_f(c['disk_bound_s_per_token'], '6.3f')} {_f(c['steady_vs_disk_bound'], '6.2f')} "
+            f"{_f(c['read_gb_per_s_wall'], '5.2f')} {_f(c['read_vs_device_best'], '6.2f')} "
+            f"{_f(c['prefill_read_gb_per_s_wall'], '7.2f')} {_f(c['prefill_read_vs_device_best'], '6.2f')} "
+            f"{_f(c['io_wait_share'], '7.1%')}")
+    lines.append("steady = decode s/token after the first; e2e/tok = (prefill + decode) s / decoded tokens; "
+                 "bound = bytes read per token / the device's best GB/s; pf = prefill")
+    streamed = [r for r in res["configs"] if r["trunk_stream"]]
+    if streamed:
+        piece = st.get("trunk_piece_bytes") or 0
+        lines.append(f"streamed trunk: {st.get('trunk_readers')} reader(s), "
+                     f"{'whole reads' if not piece else f'{piece >> 20} MiB requests'}; most trunk reads in flight at once: "
+                     + ", ".join(f"{r['name']} {r.get('trunk_inflight_max', '-')}" for r in streamed))
     lines.append("")
     peak = res["machine"].get("fma_peak", {})
     if peak.get("gflops_run_threads") is not None:
@@ -1098,6 +1162,10 @@ def _parser() -> argparse.ArgumentParser:
                          "gives the chunk a budget allows)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: usable CPUs)")
     ap.add_argument("--lookahead", type=int, default=16, help="router lookahead experts (default 16)")
+    ap.add_argument("--trunk-readers", type=int, default=1,
+                    help="threads reading the streamed trunk (default 1, the engine's)")
+    ap.add_argument("--trunk-piece-mb", type=int, default=0,
+                    help="MiB per streamed trunk read request, for several readers (default 0: whole reads)")
     ap.add_argument("--cache-slots", type=int, default=None,
                     help="expert cache slots (default 40: fewer than one layer's 64 experts)")
     ap.add_argument("--no-stream", action="store_true", help="skip the streamed-trunk configurations")
@@ -1126,6 +1194,7 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
         ("--tokens", args.tokens, 1), ("--prompt-tokens", args.prompt_tokens, 1),
         ("--prefill-chunk", args.prefill_chunk, 1),
         ("--threads", args.threads, 1), ("--lookahead", args.lookahead, 0),
+        ("--trunk-readers", args.trunk_readers, 1), ("--trunk-piece-mb", args.trunk_piece_mb, 0),
         ("--cache-slots", args.cache_slots, shape.num_experts_per_token + 1)) if v is not None and v < lo]
     if args.probe_mb * (1 << 20) < 2 * 17_547_264:
         bad.append("--probe-mb must be at least 34 (two expert-sized reads)")
@@ -1133,6 +1202,8 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
         bad.append("--probe-seconds must be positive")
     if args.threads is not None and args.threads > 64:
         bad.append("--threads must be <= 64")
+    if args.trunk_readers > 32:
+        bad.append("--trunk-readers must be <= 32")
     if bad:
         print("k3chat bench: " + "; ".join(bad), file=sys.stderr)
         return EXIT_USAGE
@@ -1150,6 +1221,7 @@ def main_bench(argv: Sequence[str], *, shape: BenchShape = REAL_SHAPE) -> int:
                                progress=_StderrProgress("writing benchmark checkpoint"))
         res = run_bench(d, tokens=args.tokens, prompt_tokens=args.prompt_tokens, threads=args.threads,
                         lookahead=args.lookahead, cache_slots=args.cache_slots,
+                        trunk_readers=args.trunk_readers, trunk_piece_bytes=args.trunk_piece_mb << 20,
                         prefill_chunk=args.prefill_chunk,
                         streamed=not args.no_stream, probe_bytes=args.probe_mb << 20,
                         probe_seconds=args.probe_seconds, log=log)

@@ -126,6 +126,8 @@ class StreamOptions:
     prefill_chunk: int = 64          # prompt tokens per pass: each distinct expert read once per pass
     head_block_rows: int = 0         # 0: lm_head held; N: read per pass in blocks of N rows
     ffn_split: bool = False          # a streamed dense FFN comes through the ring one matrix per unit
+    trunk_readers: int = 1           # threads reading a streamed trunk unit's pieces in parallel
+    trunk_piece_bytes: int = 0       # bytes per trunk read request; 0: one request per contiguous read
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,13 @@ class Model:
                              f"{so.head_block_rows}")
         o.head_block_rows = int(so.head_block_rows)
         o.ffn_split = 1 if so.ffn_split else 0
+        if not 1 <= so.trunk_readers <= 32:
+            raise ValueError(f"trunk_readers must be 1..32 threads, got {so.trunk_readers}")
+        o.trunk_readers = int(so.trunk_readers)
+        if so.trunk_piece_bytes != 0 and so.trunk_piece_bytes < 4096:
+            raise ValueError(f"trunk_piece_bytes must be 0 (whole reads) or >= 4096, got "
+                             f"{so.trunk_piece_bytes}")
+        o.trunk_piece_bytes = int(so.trunk_piece_bytes)
         for L in so.pinned:
             if not 0 <= L < self.config.n_layers:
                 raise ValueError(f"pinned layer {L} is outside 0..{self.config.n_layers - 1}")
@@ -438,7 +447,7 @@ class Session:
                 self._h = None
 
 
-_LEVELS = ("peak_rss_bytes", "direct_io", "direct_io_refused", "expert_slots")
+_LEVELS = ("peak_rss_bytes", "direct_io", "direct_io_refused", "expert_slots", "trunk_inflight_max")
 
 
 def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -93,6 +93,10 @@ typedef struct k3_open_opts {
                                   * one matrix per unit (gate, up, down), so a slot needs
                                   * only its largest matrix; same kernels in the same order,
                                   * same bits.  0: the three matrices are one unit. */
+    int32_t trunk_readers;       /* threads reading streamed trunk units, each request
+                                  * trunk_piece_bytes, so several can be in flight; 0 -> 1 */
+    uint64_t trunk_piece_bytes;  /* bytes per streamed trunk read request; 0: one request per
+                                  * contiguous read */
 } k3_open_opts;
 
 typedef struct k3_stats {
@@ -120,6 +124,7 @@ typedef struct k3_stats {
                                      * trunk_bytes_read */
     uint64_t matmul_madds;          /* multiply-adds done by the BF16/F32 and MXFP4 matmul
                                      * kernels (rows x cols x tokens; not attention or KDA) */
+    uint64_t trunk_inflight_max;    /* most streamed trunk read requests in flight at once */
 } k3_stats;
 
 typedef struct k3_model k3_model;

@@ -120,8 +120,15 @@ typedef struct kr_unit {
     int n, cap;
     kr_read *reads;
     int nreads;
+    kr_read *pieces;       /* the reads cut into KR_PIECE-byte requests, issued in parallel */
+    int npieces;
     uint64_t bytes;        /* slot bytes this unit needs */
 } kr_unit;
+
+/* Bytes per trunk read request unless the open options say otherwise: no cut, one request
+ * per contiguous read (one reader with whole reads measured fastest on our test disk; several
+ * readers with smaller pieces are the option for devices that want a deeper queue). */
+#define KR_PIECE (1ull << 62)
 
 /* KR_FFN is the whole FFN, or the gate matrix when the layer's FFN is split */
 enum { KR_ATTN = 0, KR_FFN = 1, KR_FFN_UP = 2, KR_FFN_DOWN = 3, KR_UNITS = 4 };
@@ -133,7 +140,7 @@ void kr_ring_destroy(kr_ring *r);
 int kr_acquire(kr_ring *r, int L, int u, char *err, size_t errlen);
 void kr_release(kr_ring *r, int L, int u);
 /* Plan the reads of a unit (sorted, coalesced, element-aligned). */
-int kr_unit_layout(kr_unit *u);
+int kr_unit_layout(kr_unit *u, uint64_t piece_bytes);
 
 /* ---------------- model ---------------- */
 typedef struct km_layer {

@@ -467,6 +467,7 @@ static void km_free_all(k3_model *m) {
         for (int u = 0; u < KR_UNITS; u++) {
             free(m->layers[L].su[u].e);
             free(m->layers[L].su[u].reads);
+            free(m->layers[L].su[u].pieces);
         }
     for (int i = 0; i < m->n_allocs; i++) free(m->allocs[i]);
     free(m->allocs);
@@ -564,7 +565,7 @@ int k3_model_open(const k3_config *cfg, const char *const *shard_paths, int32_t 
         free(ld.run);
         int layout_failed = 0;
         for (int u = 0; ly->streamed && !ld.failed && u < KR_UNITS; u++)
-            layout_failed |= kr_unit_layout(&ly->su[u]) != 0; /* unused units are empty: no-op */
+            layout_failed |= kr_unit_layout(&ly->su[u], m->opts.trunk_piece_bytes ? m->opts.trunk_piece_bytes : KR_PIECE) != 0; /* unused units are empty: no-op */
         if (layout_failed) {
             km_set_err(err, errlen, "out of memory planning the reads of layer %d", L);
             rc = K3_ERR_NOMEM;

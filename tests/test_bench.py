@@ -313,8 +313,25 @@ def test_run_bench_tiny_returns_every_field(tiny_bench: Path) -> None:
     # the same prompt does the same matmuls whether the trunk streams; the lookahead adds its router's
     assert by["resident/lookahead=0"] == by["streamed-ring2/lookahead=0"] < by["resident/lookahead=4"]
     assert "resident: lookahead speedup (s/token off / on)" in res["comparison"]
+    if "error" not in dev:  # the device's best depth is the fastest phase the probe measured
+        assert dev["best_gb_per_s"] == max(p["gb_per_s"] for p in dev["phases"])
+        assert dev["best_queue_depth"] in [p["queue_depth"] for p in dev["phases"]]
+    for c in res["configs"]:  # against the disk, from the raw figures of the run
+        cmp_, dec, pf = res["comparison"][c["name"]], c["decode"], c["prefill"]
+        times = [t["s"] for t in c["per_token"]]
+        assert math.isclose(cmp_["steady_s_per_token"], sum(times[1:]) / len(times[1:]))
+        assert math.isclose(cmp_["end_to_end_s_per_token"], (pf["seconds"] + sum(times)) / 3)
+        assert cmp_["io_wait_share"] == dec["io_wait_share"]
+        if "error" not in dev:
+            bound = dec["bytes_read"] / 3 / 1e9 / dev["best_gb_per_s"]
+            assert math.isclose(cmp_["disk_bound_s_per_token"], bound)
+            assert math.isclose(cmp_["steady_vs_disk_bound"], cmp_["steady_s_per_token"] / bound)
+            assert math.isclose(cmp_["read_vs_device_best"], dec["read_gb_per_s_wall"] / dev["best_gb_per_s"])
+            assert math.isclose(cmp_["prefill_read_vs_device_best"],
+                                pf["bytes_read"] / 1e9 / pf["seconds"] / dev["best_gb_per_s"])
+    assert res["settings"]["trunk_readers"] == 1 and res["settings"]["trunk_piece_bytes"] == 0
     report = bench.format_report(res)
-    assert "resident/lookahead=4" in report
+    assert "resident/lookahead=4" in report and "against the disk" in report
     assert "double multiply-add peak" in report and " tok/s, matmuls " in report and "of peak)" in report
 
 

@@ -128,13 +128,13 @@ def test_a_follow_up_builds_on_the_first_answer(engine: Any, tok: Tokenizer) -> 
 def test_run_demo_answers_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "turn.json"
     env = {**os.environ, "K3CHAT_HOME": str(tmp_path / "home")}
-    r = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", "--demo", "--prompt", "Which is larger, 57 or 75?",
+    r = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", "--demo", "--prompt", "What is 36 + 47?",
                         "--thinking-effort", "low", "--session", "cli", "--json", str(out)],
                        capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stderr
     turn = json.loads(out.read_text())
     assert turn["stop"] == "end" and turn["interrupted"] is False
-    assert "**75**" in turn["answer"] and turn["reasoning"]
+    assert "**83**" in turn["answer"] and turn["reasoning"]
     assert "--- answer ---" in r.stdout
     r2 = subprocess.run([sys.executable, "-m", "k3chat.cli", "run", "--demo", "--prompt", "What is 12 + 30?",
                          "--thinking-effort", "low", "--session", "cli", "--json", str(out)],

@@ -36,15 +36,18 @@ def test_doctor_without_a_model(tmp_path: Path, capsys) -> None:
     assert probe["file_bytes"] == 40 * 2**20
     assert probe["mode"] in ("O_DIRECT", "buffered + posix_fadvise(DONTNEED)")
     assert probe["direct_io"] == (probe["mode"] == "O_DIRECT")
-    assert [p["queue_depth"] for p in probe["phases"]] == [1, 8]
+    assert [p["queue_depth"] for p in probe["phases"]] == [1, 4, 8, 16]
     for p in probe["phases"]:
         assert p["reads"] >= dr.MIN_READS and p["bytes"] == p["reads"] * 17_547_264
         assert p["gb_per_s"] > 0
     assert probe["qd1_gb_per_s"] > 0 and probe["qd8_gb_per_s"] > 0
+    assert probe["best_gb_per_s"] == max(p["gb_per_s"] for p in probe["phases"])
+    assert probe[f"qd{probe['best_queue_depth']}_gb_per_s"] == probe["best_gb_per_s"]
     assert rep["recommended_budget_bytes"] > 0 and rep["model"] is None
     assert list(probe_dir.iterdir()) == []  # the probe file is gone
     text = capsys.readouterr().out
-    assert "queue depth 1:" in text and "queue depth 8:" in text and "--memory auto" in text
+    assert "queue depth 1:" in text and "queue depth 16:" in text and "--memory auto" in text
+    assert f"best: queue depth {probe['best_queue_depth']}," in text
 
 
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path: Path, monkeypatch) -> None:

@@ -62,6 +62,11 @@ DIALS = [
     ("smallest-ffn-split", StreamOptions(expert_cache_bytes=9 * SLOT, trunk_stream=True, ring_slots=2,
                                          embed_stream=True, head_block_rows=7, ffn_split=True)),
     ("ffn-split-ring3-lookahead", StreamOptions(trunk_stream=True, ring_slots=3, lookahead=8, ffn_split=True)),
+    # each unit cut into 4 KiB requests, taken by several readers at once or by one
+    ("trunk-pieces-4readers", StreamOptions(expert_cache_bytes=9 * SLOT, trunk_stream=True, ring_slots=2,
+                                            lookahead=8, trunk_readers=4, trunk_piece_bytes=4096)),
+    ("trunk-pieces-ring3-1reader", StreamOptions(trunk_stream=True, ring_slots=3, trunk_readers=1,
+                                                 trunk_piece_bytes=4096, ffn_split=True)),
 ]
 
 
@@ -195,10 +200,45 @@ def _settled_ring_reads(m: Model, timeout: float = 10.0) -> int:
     return last
 
 
+def _one_pass(m: Model, ids: list[int], reference: tuple) -> tuple[int, int]:
+    """Prefill 8 ids, then one decode pass: its (unit loads, trunk bytes), the logits checked."""
+    s = m.session(len(ids))
+    assert s.feed(ids[:8]).tobytes() == reference[1][0].tobytes()
+    reads, nbytes = _settled_ring_reads(m), m.stats()["trunk_bytes_read"]
+    assert s.feed([ids[8]]).tobytes() == reference[1][1].tobytes()
+    return _settled_ring_reads(m) - reads, m.stats()["trunk_bytes_read"] - nbytes
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_trunk_pieces_read_the_same_bytes_with_at_most_one_request_per_reader(
+        wide_dir: Path, wide_ids: list[int], reference: tuple, readers: int) -> None:
+    """Units cut into 4 KiB requests: the same logits, the same unit loads and the same trunk
+    bytes per pass as one request per read, and never more requests in flight than readers."""
+    whole = Model(wide_dir, streaming=StreamOptions(trunk_stream=True, ring_slots=2, trunk_readers=1,
+                                                    trunk_piece_bytes=1 << 40))
+    loads, nbytes = _one_pass(whole, wide_ids, reference)
+    assert whole.stats()["trunk_inflight_max"] == 1
+    assert loads == 10 and nbytes > 10 * 2 * 4096, "units must span several 4 KiB pieces"
+    cut = Model(wide_dir, streaming=StreamOptions(trunk_stream=True, ring_slots=2, trunk_readers=readers,
+                                                  trunk_piece_bytes=4096))
+    assert _one_pass(cut, wide_ids, reference) == (loads, nbytes)
+    assert 1 <= cut.stats()["trunk_inflight_max"] <= readers
+
+
+def test_trunk_piece_and_reader_options_are_checked(wide_dir: Path) -> None:
+    with pytest.raises(ValueError, match="trunk_readers must be 1..32"):
+        Model(wide_dir, streaming=StreamOptions(trunk_stream=True, trunk_readers=0))
+    with pytest.raises(ValueError, match="trunk_piece_bytes must be 0"):
+        Model(wide_dir, streaming=StreamOptions(trunk_stream=True, trunk_piece_bytes=100))
+
+
+@pytest.mark.parametrize("readers,piece", [(2, 0), (4, 4096)])
 def test_ring_restarts_at_the_wanted_unit_after_a_fault(wide_dir: Path, wide_ids: list[int],
-                                                        reference: tuple) -> None:
-    """After a failed pass the ring must not read the units that pass skipped."""
-    m = Model(wide_dir, streaming=StreamOptions(trunk_stream=True, ring_slots=2))
+                                                        reference: tuple, readers: int, piece: int) -> None:
+    """After a failed pass the ring must not read the units that pass skipped (also when
+    several readers hold pieces of the old order in flight at the reset)."""
+    m = Model(wide_dir, streaming=StreamOptions(trunk_stream=True, ring_slots=2, trunk_readers=readers,
+                                                trunk_piece_bytes=piece))
     s = m.session(len(wide_ids))
     s.feed(wide_ids[:8])
     snap = s.snapshot()

@@ -499,11 +499,11 @@ def test_decrypt_keeps_a_damaged_record_as_a_reported_line(home: Path, tmp_path:
 def test_run_prompt_on_the_demo_model_with_an_encrypted_history(home: Path, tmp_path: Path) -> None:
     cheap_vault()
     secret, out = tmp_path / "passphrase", tmp_path / "turn.json"
-    question = "Which is larger, 57 or 75?"
+    question = "What is 36 + 47?"
     args = ("run", "--demo", "--thinking-effort", "low", "--session", NAME, "--json", str(out))
     first = k3chat(home, *args, "--prompt", question, passphrase_file=secret)
     assert first.returncode == 0, first.stderr
-    assert "**75**" in json.loads(out.read_text())["answer"]
+    assert "**83**" in json.loads(out.read_text())["answer"]
     second = k3chat(home, *args, "--prompt", "What is 12 + 30?", passphrase_file=secret)
     assert second.returncode == 0, second.stderr
     turn = json.loads(out.read_text())
@@ -512,7 +512,7 @@ def test_run_prompt_on_the_demo_model_with_an_encrypted_history(home: Path, tmp_
     assert (paths.state_dir() / "sessions" / f"{sid}.k3state").read_bytes().startswith(vault.STREAM_MAGIC)
     records = open_store().load(sid).records
     assert [r["content"] for r in records[::2]] == [question, "What is 12 + 30?"]
-    assert files_holding(home, "57 or 75", "12 + 30", NAME) == []
+    assert files_holding(home, "36 + 47", "12 + 30", NAME) == []
     wrong = tmp_path / "wrong"
     wrong.write_text("not the passphrase\n")
     refused = k3chat(home, *args, "--prompt", "again", passphrase_file=wrong)
@@ -538,7 +538,7 @@ def test_the_app_asks_before_it_starts_and_writes_sealed_records(home: Path,
         async with app.run_test(size=(120, 40)) as pilot:
             while not app.ready:
                 await pilot.pause(0.02)
-            app.chat.prompt.set_text("Which is larger, 57 or 75?")
+            app.chat.prompt.set_text("What is 36 + 47?")
             await pilot.press("enter")
             while app.turns_over < 1:
                 await pilot.pause(0.02)
@@ -549,5 +549,5 @@ def test_the_app_asks_before_it_starts_and_writes_sealed_records(home: Path,
     sids: list[str] = []
     asyncio.run(asyncio.wait_for(scenario(), 180))
     records = open_store().load(sids[0]).records
-    assert records[0]["content"] == "Which is larger, 57 or 75?" and records[1]["role"] == "assistant"
-    assert files_holding(home, "57 or 75") == [] and len(asked) == 1
+    assert records[0]["content"] == "What is 36 + 47?" and records[1]["role"] == "assistant"
+    assert files_holding(home, "36 + 47") == [] and len(asked) == 1
