@@ -83,6 +83,16 @@ def test_puzzle_words_are_one_letter_per_id_in_every_form(tok: Tokenizer) -> Non
     assert tok.encode_text(" r's")[0] == tok.encode_text(" r")[0]
 
 
+def test_sentence_words_are_whole_ids_and_never_spelled(tok: Tokenizer) -> None:
+    spelled = tasks.puzzle_words() | {w[::-1] for w in tasks.puzzle_words()}
+    assert not tasks.sentence_words() & spelled
+    # a sentence to repeat is a short run of word ids, not a run of letters (two-letter words
+    # such as " to" may be refused: BPE would build them inside a puzzle word)
+    for w in sorted(tasks.sentence_words()):
+        if len(w) > 2:
+            assert len(tok.encode_text(" " + w)) == 1, (w, [tok.decode([i]) for i in tok.encode_text(" " + w)])
+
+
 def test_count_copies_the_word_and_the_letter_as_the_question_has_them(tok: Tokenizer) -> None:
     for t in _turns("count", 21):
         q = t.question

@@ -97,38 +97,44 @@ bottle tomorrow success address illness recess occurrence
 WORDS = tuple(dict.fromkeys(WORDS))  # unique, in a fixed order
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
-_ADJ = ("quick", "brown", "lazy", "small", "bright", "quiet", "happy", "old", "new", "red", "blue",
-        "green", "tiny", "big", "cold", "warm", "soft", "loud", "calm", "wild")
-_NOUN = ("fox", "dog", "cat", "bird", "river", "tree", "house", "car", "book", "child", "teacher",
-         "farmer", "ship", "train", "moon", "garden", "city", "road", "song", "cup", "lamp")
+# The words of the sentences to repeat: none is a word that is spelled, counted in or reversed
+# (WORDS, or a reversal of one), so the tokenizer gives each its own whole-word id and a
+# sentence is a short run of ids to copy, not 30 letters.
+_ADJ = ("quick", "brown", "lazy", "small", "dark", "sweet", "old", "new", "red", "blue",
+        "green", "tiny", "big", "cold", "warm", "soft", "loud", "calm", "wild", "proud")
+_NOUN = ("fox", "dog", "cat", "bird", "boat", "tree", "hat", "car", "book", "child", "friend",
+         "king", "ship", "train", "cloud", "box", "city", "road", "song", "cup", "lamp")
 _VERB = ("jumps over", "runs past", "looks at", "sings to", "waits for", "walks by", "finds",
          "follows", "sees", "likes", "paints", "reads", "carries", "watches", "hears")
-_ADV = ("today", "again", "slowly", "at night", "in the morning", "every day", "quietly", "now")
+_ADV = ("today", "again", "slowly", "at night", "after lunch", "every day", "quietly", "now")
 
 
 def puzzle_words() -> frozenset[str]:
-    """Every word a puzzle is about: spelled, counted in, reversed or repeated."""
-    words = set(WORDS)
+    """Every word a puzzle spells: counted in or reversed. These stay one letter per id."""
+    return frozenset(WORDS)
+
+
+def sentence_words() -> frozenset[str]:
+    """The words of the sentences to repeat (whole ids; disjoint from the puzzle words)."""
+    words: set[str] = set()
     for group in (_ADJ, _NOUN, _VERB, _ADV):
         for phrase in group:
             words.update(phrase.split())
-    return frozenset(words - _FUNCTION_WORDS)
-
-
-# Short words of the sentences that are also everyday scaffolding ("the", "in"): whole ids.
-_FUNCTION_WORDS = frozenset("the a my is and in at to by for over past every day night now again".split())
+    return frozenset(words)
 
 
 def _sentence(rng: random.Random) -> str:
+    adj, noun, verb, adv = (lambda: rng.choice(_ADJ)), (lambda: rng.choice(_NOUN)), (lambda: rng.choice(_VERB)), \
+        (lambda: rng.choice(_ADV))
     kind = rng.randrange(4)
     if kind == 0:
-        s = f"the {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_ADJ)} {rng.choice(_NOUN)}"
+        s = f"the {adj()} {noun()} {verb()} the {adj()} {noun()}"
     elif kind == 1:
-        s = f"a {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_NOUN)} {rng.choice(_ADV)}"
+        s = f"a {noun()} {verb()} the {noun()} {adv()}"
     elif kind == 2:
-        s = f"my {rng.choice(_NOUN)} is {rng.choice(_ADJ)} and {rng.choice(_ADJ)}"
+        s = f"my {noun()} is {adj()} and {adj()}"
     else:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
+        s = f"the {noun()} {verb()} my {adj()} {noun()} {adv()}"
     if rng.random() < 0.5:
         s = s[0].upper() + s[1:]
     return s + rng.choice((".", ".", "!", "?", ""))
@@ -217,7 +223,9 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
     read = f"Reading the written digits from the highest place down gives {abs(r)}."
     lead_sp = lead + "\n" if lead else ""
     reasoning = {
-        "low": lead_sp + " ".join(p for p in [neg_low] + low if p) + f" So {r}.",
+        # low writes the same column lines as high (a line per column, each digit written
+        # down), without the plan and the restated sum: shorter, and one mechanism to learn
+        "low": lead_sp + "\n".join(p for p in [neg_low] + high + [f"So {r}."] if p),
         "high": lead_sp + "\n".join(p for p in [neg_high, intro_high] + high + [tail] if p),
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
@@ -294,42 +302,42 @@ def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         y = int(str(x)[:-1] + str(rng.randint(0, 9)))
     if rng.random() < 0.03:
         y = x
-    kind = "larger" if rng.random() < 0.75 else "smaller"
+    kind = "larger" if rng.random() < 0.65 else "smaller"
     key = f"compare:{x}:{y}:{kind}"
 
     def make() -> Turn:
         q = rng.choice(_CMP_Q[kind]).format(x=x, y=y)
-        sx, sy = str(x), str(y)
         big, small = max(x, y), min(x, y)
         ans = big if kind == "larger" else small
-        lines: list[str] = []
+        # Each number is written by its places from the ones up, as the column sums read
+        # them ("Ones 5, Tens 6"): the longer number is the one with a place the other lacks,
+        # so no digit is counted, and the first sentence says which one is asked for.
+        head = f"The {kind} of {x} and {y}."
+        spelled = [f"{n}: " + ", ".join(f"{PLACES[i]} {d}" for i, d in enumerate(_digits(n))) + "."
+                   for n in (x, y)]
+        sx, sy = str(x), str(y)
+        verdict: list[str] = []
         if x == y:
-            lines.append(f"{x} and {y} are the same number.")
-            low = f"{x} = {y}, equal."
+            verdict.append(f"{x} and {y} are the same number.")
         elif len(sx) != len(sy):
-            lines.append(f"{x} has {len(sx)} digit{'s' if len(sx) > 1 else ''} and {y} has "
-                         f"{len(sy)} digit{'s' if len(sy) > 1 else ''}, so {big} is larger.")
-            low = f"{len(sx)} vs {len(sy)} digits: {big} is larger."
+            verdict.append(f"{big} has {PLACES[len(str(big)) - 1]} and {small} does not, so {big} is larger.")
         else:
-            lines.append(f"Both have {len(sx)} digit{'s' if len(sx) > 1 else ''}. Compare from the left.")
-            low = ""
+            verdict.append(f"Both go up to {PLACES[len(sx) - 1]}.")
             for i, (cx, cy) in enumerate(zip(sx, sy)):
                 place = PLACES[len(sx) - 1 - i]
                 if cx == cy:
-                    lines.append(f"{place}: {cx} and {cy} are the same.")
-                    low += f"{cx} = {cy}. "
+                    verdict.append(f"{place}: {cx} and {cy} are the same.")
                 else:
-                    lines.append(f"{place}: {cx} and {cy}; {max(cx, cy)} is larger, so {big} is larger.")
-                    low += f"{cx} vs {cy}: {big} is larger."
+                    verdict.append(f"{place}: {cx} vs {cy}, so {big} is larger.")
                     break
         if x != y and kind == "smaller":
-            lines.append(f"So {small} is the smaller one.")
-            low += f" Smaller: {small}."
+            verdict.append(f"So {small} is smaller.")
         reasoning = {
-            "low": low.strip(),
-            "high": "\n".join(lines),
-            "max": "\n".join([f"The question asks which of {x} and {y} is {kind}. I will compare the "
-                              f"number of digits first, then the digits from the left."] + lines
+            "low": "\n".join([head] + spelled + verdict),
+            "high": "\n".join([head] + spelled + ["Compare the highest places first."] + verdict
+                              + [f"So the answer is {ans}."]),
+            "max": "\n".join([head, "I will write each number by its places from the ones up, then compare "
+                                    "them from the highest place down."] + spelled + verdict
                              + [f"So the answer is {ans}."]),
         }
         if x == y:
@@ -375,12 +383,15 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         times = f"{n} time{'s' if n != 1 else ''}"
         # " {w}" and " {c}" are written as the question writes them (after a space): same ids
         spelled = _letter_lines(w, c)
+        # Every effort starts with the same header and spelled block, so all four modes train
+        # the one mechanism; the efforts differ in how much they say after it.
+        core = f"Spell {w}, count {c}:\n{spelled}\n"
         reasoning = {
-            "low": f"Spell {w}, count {c}:\n{spelled}\nSo {n}.",
-            "high": f"Spell {w} and count each {c}.\n{spelled}\nThe letter {c} appears {times}.",
-            "max": (f"The question asks how many times the letter {c} occurs in the word {w}. I will "
-                    f"spell the word letter by letter and keep a running count of every {c}.\n{spelled}\n"
-                    f"The running count ends at {n}.\nSo the letter {c} appears {times} in {w}."),
+            "low": core + f"So {n}.",
+            "high": core + f"The letter {c} appears {times}.",
+            "max": core + ((f"Each {c} got the next number as it came, and the last number is {n}.\n" if n
+                            else f"No letter is {c}, so no line got a number.\n")
+                           + f"So the letter {c} appears {times} in {w}."),
         }
         label = f"{c}'s" if n != 1 else c
         resp = rng.choice((f"There {'is' if n == 1 else 'are'} **{n}** {label} in {w}.",
@@ -472,13 +483,21 @@ ABOUT_ANSWERS: dict[str, str] = {
 }
 _ABOUT_Q = {
     "greeting": ("Hello", "Hi", "Hey", "Hello there", "Good morning", "Good evening", "Hi there",
-                 "Hello, how are you?", "hey there", "Greetings", "Howdy", "Good afternoon"),
+                 "Hello, how are you?", "hey there", "Greetings", "Howdy", "Good afternoon",
+                 "Hi!", "Hello k3chat", "Hey, how's it going?", "Good day", "Hiya", "Morning",
+                 "Hello, nice to meet you", "Hi, anyone there?"),
     "who": ("Who are you?", "What are you?", "Are you Kimi K3?", "Tell me about yourself.",
             "What model are you?", "who are you", "Introduce yourself.", "What is your name?",
-            "Are you the real Kimi K3?", "Which model is this?"),
+            "Are you the real Kimi K3?", "Which model is this?", "Who am I talking to?",
+            "Are you an AI?", "Who made you?", "What kind of model are you?", "Are you ChatGPT?",
+            "What are you called?", "Describe yourself.", "Is this the real model?",
+            "How big are you?", "Who are you exactly?"),
     "can": ("What can you do?", "What are you able to do?", "Help", "What can I ask you?",
             "what can you do", "What do you know?", "How can you help me?", "What tasks can you do?",
-            "Show me what you can do.", "What are your skills?"),
+            "Show me what you can do.", "What are your skills?", "What can you help with?",
+            "What should I ask?", "What are you good at?", "What do you do?", "List your abilities.",
+            "How do I use you?", "What kinds of questions can you answer?", "What can I try?",
+            "Give me some examples.", "What are you for?"),
 }
 _REASON_ABOUT = {
     "greeting": ("A greeting. Greet back and say what I can do.",
@@ -506,12 +525,22 @@ _OTHER_Q = ("What is the capital of France?", "Tell me a joke.", "Write a poem a
             "Write a story about {t}.", "Can you help me with my homework on {t}?",
             "What do you think about {t}?", "Summarize this article about {t}.", "What time is it?",
             "Recommend a book about {t}.", "What is the meaning of life?", "How do I cook {w}?",
-            "Tell me about {t}.", "Write some code to sort a list.", "What is the square root of {a}?")
+            "Tell me about {t}.", "Write some code to sort a list.", "What is the square root of {a}?",
+            "Who wrote Hamlet?", "Why is the sky blue?", "What is a {w}?", "Define {w}.",
+            "Give me a recipe for {w}.", "How do I learn {t}?", "Write an email about {t}.",
+            "What year is it?", "Tell me the news.", "Play a game with me.", "What is {a} squared?",
+            "Is {a} a prime number?", "Convert {a} miles to kilometers.", "Help me plan a trip to {t}.",
+            "What should I eat today?", "Sing me a song about {t}.", "How tall is Mount Everest?",
+            "Can you search the web for {t}?", "What is {a} to the power of {b}?", "Fix my code.")
+# A question is sometimes led in by a word or two, as people type
+_LEADS = ("So, ", "Okay, ", "Tell me, ", "Quick question: ", "Um, ", "Hey, ", "Please: ")
 
 
 def about(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     kind = rng.choice(("greeting", "who", "can"))
     q = rng.choice(_ABOUT_Q[kind])
+    if kind != "greeting" and rng.random() < 0.25:
+        q = rng.choice(_LEADS) + q[0].lower() + q[1:]
     if rng.random() < 0.3:
         q = q.rstrip("?.!") + rng.choice(("!", "?", ".", ""))
     if rng.random() < 0.2:
@@ -523,6 +552,10 @@ def about(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
 def other(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     q = rng.choice(_OTHER_Q).format(t=rng.choice(_TOPICS), w=rng.choice(WORDS),
                                     a=rng.randint(2, 99), b=rng.randint(2, 20))
+    if rng.random() < 0.25:
+        q = rng.choice(_LEADS) + q[0].lower() + q[1:]
+    if rng.random() < 0.15:
+        q = q.lower() if rng.random() < 0.5 else q.rstrip("?.!")
     if rng.random() < 0.15:      # a file it cannot summarise: the same honest answer
         q = render_user_message(rng.choice(_DOC_OTHER_Q), [_attachment(rng, _notes_text(rng))])
     key = f"other:{q}"
@@ -652,19 +685,19 @@ def follow_up(rng: random.Random, previous: int, first_key: str) -> tuple[str, C
 
 Maker = Callable[[random.Random], tuple[str, Callable[[], Turn]]]
 SINGLE_TASKS: dict[str, tuple[float, Maker]] = {
-    "add_1d": (0.03, lambda r: arithmetic(r, "+", 1)),
-    "add_2d": (0.12, lambda r: arithmetic(r, "+", 2)),
-    "add_3d": (0.09, lambda r: arithmetic(r, "+", 3)),
+    "add_1d": (0.02, lambda r: arithmetic(r, "+", 1)),
+    "add_2d": (0.10, lambda r: arithmetic(r, "+", 2)),
+    "add_3d": (0.08, lambda r: arithmetic(r, "+", 3)),
     "sub_1d": (0.03, lambda r: arithmetic(r, "-", 1)),
-    "sub_2d": (0.14, lambda r: arithmetic(r, "-", 2)),
+    "sub_2d": (0.13, lambda r: arithmetic(r, "-", 2)),
     "sub_3d": (0.10, lambda r: arithmetic(r, "-", 3)),
-    "compare": (0.10, compare),
-    "count": (0.10, count_letter),
-    "reverse": (0.10, reverse_word),
-    "repeat": (0.09, repeat_sentence),
+    "compare": (0.11, compare),
+    "count": (0.11, count_letter),
+    "reverse": (0.08, reverse_word),
+    "repeat": (0.07, repeat_sentence),
     "about": (0.05, about),
     "other": (0.05, other),
-    "document": (0.05, document),
+    "document": (0.07, document),
 }
 EVAL_TASKS: tuple[str, ...] = tuple(SINGLE_TASKS) + ("multi_turn",)
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are helpful.",
