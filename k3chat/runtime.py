@@ -155,6 +155,14 @@ def thread_count(threads: int | None) -> int:
 SMALL_MODEL_HIDDEN = 1024
 
 
+def default_threads(hidden: int, threads: int | None) -> int:
+    """The thread count to run a model of this hidden width with: ``threads`` when given,
+    else one for a small model and every core (up to MAX_THREADS) otherwise."""
+    if threads is None and hidden < SMALL_MODEL_HIDDEN:
+        return 1
+    return thread_count(threads)
+
+
 def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int | None = None,
                lookahead: int | None = None, scalar: bool = False, tokenizer: bool = True,
                progress: Progress | None = None, speculative: int = 0) -> OpenedModel:
@@ -174,9 +182,10 @@ def open_model(model_dir: str | Path, *, memory: str, context: int, threads: int
         if failure is None:
             raise
         raise failure from exc
-    if threads is None and n_threads > 1 and opened.model.config.hidden < SMALL_MODEL_HIDDEN:
-        opened.model.set_threads(1)
-        n_threads = 1
+    wanted = default_threads(opened.model.config.hidden, threads)
+    if wanted != n_threads:
+        opened.model.set_threads(wanted)
+        n_threads = wanted
     tok = None
     if tokenizer:
         if progress is not None:

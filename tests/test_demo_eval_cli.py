@@ -17,3 +17,29 @@ def test_an_unknown_task_is_named_with_the_valid_ones(capsys: pytest.CaptureFixt
 def test_n_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert evaluate.main(["--n", "0"]) == 2
     assert "--n must be >= 1" in capsys.readouterr().err
+
+
+def test_eval_demo_runs_the_small_demo_on_one_thread_unless_told(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Two threads decode the demo several times slower than one (runtime.SMALL_MODEL_HIDDEN):
+    eval-demo takes the same default as `run --demo` and the app; --threads still wins."""
+    from k3engine import model as engine_model
+    from k3chat.runtime import default_threads
+
+    assert default_threads(256, None) == 1 and default_threads(256, 2) == 2
+    assert default_threads(7168, None) >= 1 and default_threads(7168, 3) == 3
+    counts: list[int] = []
+    real = engine_model.Model.set_threads
+
+    def spy(self: engine_model.Model, n: int) -> None:
+        counts.append(n)
+        real(self, n)
+
+    monkeypatch.setattr(engine_model.Model, "set_threads", spy)
+    args = ["--n", "1", "--tasks", "add_1d", "--modes", "off"]
+    assert evaluate.main(args) == 0
+    assert counts and counts[-1] == 1, counts
+    counts.clear()
+    assert evaluate.main(args + ["--threads", "2"]) == 0
+    assert counts[-1] == 2, counts
+    assert "add_1d" in capsys.readouterr().out

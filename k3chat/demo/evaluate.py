@@ -167,7 +167,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     ap.add_argument("--tasks", default=",".join(EVAL_TASKS), help="comma-separated task names")
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="engine threads (default: 1 for a model this small, else every core)")
     ap.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
     try:
         args = ap.parse_args(list(argv))
@@ -190,9 +191,14 @@ def main(argv: Sequence[str]) -> int:
     if not (path / "config.json").is_file():
         print(f"k3chat eval-demo: {path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
-    import os
+    from k3chat.runtime import default_threads
 
-    model = Model(path, threads=args.threads or os.cpu_count() or 1)
+    model = Model(path, threads=1)
+    # as `run --demo` and the app: one thread for a model this small unless --threads says
+    # otherwise (two threads decode the demo about 7x slower here)
+    threads = default_threads(model.config.hidden, args.threads)
+    if threads != 1:
+        model.set_threads(threads)
     tok = Tokenizer.from_dir(path)
     result = evaluate(model, tok, per_task=args.n, modes=modes, tasks=names, seed=args.seed,
                       progress=lambda s: print(s, file=sys.stderr, flush=True))
