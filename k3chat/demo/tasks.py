@@ -124,17 +124,9 @@ def sentence_words() -> frozenset[str]:
 
 
 def _sentence(rng: random.Random) -> str:
-    adj, noun, verb, adv = (lambda: rng.choice(_ADJ)), (lambda: rng.choice(_NOUN)), (lambda: rng.choice(_VERB)), \
-        (lambda: rng.choice(_ADV))
-    kind = rng.randrange(4)
-    if kind == 0:
-        s = f"the {adj()} {noun()} {verb()} the {adj()} {noun()}"
-    elif kind == 1:
-        s = f"a {noun()} {verb()} the {noun()} {adv()}"
-    elif kind == 2:
-        s = f"my {noun()} is {adj()} and {adj()}"
-    else:
-        s = f"the {noun()} {verb()} my {adj()} {noun()} {adv()}"
+    pick = {"A": _ADJ, "N": _NOUN, "V": _VERB, "D": _ADV}
+    pattern = ("the A N V the A N", "a N V the N D", "my N is A and A", "the N V my A N D")[rng.randrange(4)]
+    s = " ".join(rng.choice(pick[w]) if w in pick else w for w in pattern.split())
     if rng.random() < 0.5:
         s = s[0].upper() + s[1:]
     return s + rng.choice((".", ".", "!", "?", ""))
