@@ -8,6 +8,17 @@ import argparse
 MAX_SPECULATIVE = 64  # drafted tokens per verify pass; the verify record grows with it
 
 
+def positive_arg(text: str) -> int:
+    """argparse type for a count that must be at least 1 (--threads, --port, --queue...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def speculative_arg(text: str) -> int:
     """argparse type for --speculative N: 0 (off) to MAX_SPECULATIVE."""
     try:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from k3engine.limits import positive_arg
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "EXIT_EXPERT_IO", "EXIT_INTERRUPTED"]
 
@@ -41,16 +42,6 @@ def _ids(text: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError("--ids must be non-negative")
     return ids
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _add_remote_options(p: argparse.ArgumentParser) -> None:
@@ -82,7 +73,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--prompt-file", metavar="PATH", help="read the chat message from this UTF-8 text file")
     what.add_argument("--resume", action="store_true",
                       help="answer the unanswered last message of --session (after a crash)")
-    r.add_argument("--gen", type=_positive, default=None, help="--ids only: tokens to generate (default 16)")
+    r.add_argument("--gen", type=positive_arg, default=None, help="--ids only: tokens to generate (default 16)")
     r.add_argument("--file", dest="files", action="append", metavar="PATH", default=None,
                    help="attach this file to the message (repeatable): text, Markdown, source code, CSV/TSV, JSON "
                         "or PDF, up to 16 MiB each")
@@ -99,11 +90,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--session", metavar="NAME", help="continue this session (id or name); created if new")
     r.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
     r.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
-    r.add_argument("--context", type=_positive, default=None, metavar="N",
+    r.add_argument("--context", type=positive_arg, default=None, metavar="N",
                    help="context limit in positions, also what the memory plan is sized for "
                         "(default 8192, capped at the model's limit)")
     r.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
-    r.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    r.add_argument("--threads", type=positive_arg, default=None, help="compute threads (default: all cores; one for a model as small as the demo)")
     r.add_argument("--scalar", action="store_true", help="force the portable scalar kernels")
     r.add_argument("--memory", metavar="X", default=None,
                    help="memory budget: 12G, a preset (small, medium, large, huge), auto, or all "
@@ -168,9 +159,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", metavar="N", help="sampling seed (0..2^64-1); implies sampling")
     c.add_argument("--max-tokens", metavar="N", help="per-turn generation limit (default 4096)")
     c.add_argument("--speculative", metavar="N", help=SPECULATIVE_HELP)
-    c.add_argument("--context", type=_positive, default=None, metavar="N",
+    c.add_argument("--context", type=positive_arg, default=None, metavar="N",
                    help="context in positions that the memory plan is sized for (default: the planner's, 8192)")
-    c.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    c.add_argument("--threads", type=positive_arg, default=None, help="compute threads (default: all cores; one for a model as small as the demo)")
     _add_remote_options(c)
 
 

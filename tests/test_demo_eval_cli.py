@@ -19,6 +19,12 @@ def test_n_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--n must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["0", "-3", "two"])
+def test_a_thread_count_below_one_is_refused(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert evaluate.main(["--threads", bad]) == 2
+    assert "--threads: expected a positive integer" in capsys.readouterr().err
+
+
 def test_eval_demo_runs_the_small_demo_on_one_thread_unless_told(monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """Two threads decode the demo several times slower than one (runtime.SMALL_MODEL_HIDDEN):

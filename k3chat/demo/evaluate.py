@@ -23,6 +23,7 @@ import numpy as np
 
 from k3chat import template
 from k3chat.tokenizer import Tokenizer
+from k3engine.limits import positive_arg
 
 from . import model_dir as demo_model_dir
 from .tasks import EVAL_TASKS, MODES, Conversation, eval_conversation, is_correct, thinking_of
@@ -167,7 +168,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     ap.add_argument("--tasks", default=",".join(EVAL_TASKS), help="comma-separated task names")
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=positive_arg, default=None,
                     help="engine threads (default: 1 for a model this small, else every core)")
     ap.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
     try:

@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 
 from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
-from k3engine.limits import speculative_arg
+from k3engine.limits import positive_arg, speculative_arg
 
 from ..runtime import Failure, StopPolicy, open_model, say
 
@@ -50,25 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", metavar="X", default=None,
                    help="memory budget: 12G, a preset (small, medium, large, huge), auto, or all; "
                         "default: config.toml, else auto")
-    p.add_argument("--context", type=_positive, default=None, metavar="N",
+    p.add_argument("--context", type=positive_arg, default=None, metavar="N",
                    help="positions per request (prompt + answer), what the memory plan is sized for "
                         "(default 8192, capped at the model's limit)")
-    p.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--queue", type=_positive, default=DEFAULT_QUEUE, metavar="N",
+    p.add_argument("--threads", type=positive_arg, default=None, help="compute threads (default: all cores; one for a model as small as the demo)")
+    p.add_argument("--queue", type=positive_arg, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
     p.add_argument("--speculative", type=speculative_arg, default=None, metavar="N",
                    help="exact speculative decoding: verify up to N tokens drafted from each conversation in "
                         "one pass (0 = off; default: config.toml, else 0); answers are the same")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _port(text: str) -> int:
