@@ -1,6 +1,9 @@
 """`k3chat eval-demo` refuses bad arguments before it opens any model, and says what is valid."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from k3chat.demo import evaluate, tasks
@@ -49,3 +52,28 @@ def test_eval_demo_runs_the_small_demo_on_one_thread_unless_told(monkeypatch: py
     assert evaluate.main(args + ["--threads", "2"]) == 0
     assert counts[-1] == 2, counts
     assert "add_1d" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("right", "n", "lo", "hi"), [
+    # Newcombe (1998), "Two-sided confidence intervals for the single proportion", Stat. Med.
+    # 17:857-872, Table I, method 3 (Wilson score interval without continuity correction)
+    (81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611), (1, 29, 0.0061, 0.1718),
+])
+def test_the_interval_beside_each_accuracy_is_wilsons(right: int, n: int, lo: float, hi: float) -> None:
+    got = evaluate.wilson_interval(right, n)
+    assert got == pytest.approx((lo, hi), abs=5e-5)
+
+
+def test_the_table_and_the_json_carry_each_tasks_interval(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    assert evaluate.main(["--n", "2", "--tasks", "add_1d,other", "--modes", "low,off", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert "95% CI" in table.splitlines()[0]
+    for name, r in result["tasks"].items():
+        right = round(r["accuracy"] * r["n"])
+        assert r["n"] == 4 and r["ci95"] == pytest.approx(list(evaluate.wilson_interval(right, 4)))
+        assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
+        lo, hi = r["ci95"]
+        assert f"{100 * lo:.0f}-{100 * hi:.0f}%" in next(ln for ln in table.splitlines() if ln.startswith(name))
+    assert 0.0 <= result["well_formed_ci95"][0] <= result["well_formed"] <= result["well_formed_ci95"][1] <= 1.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -106,6 +107,19 @@ class DemoRunner:
         return outcomes
 
 
+def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of a share right/n: how far a measured
+    accuracy can sit from the model's true one by the luck of which questions were drawn
+    (40 questions at 65% right: 50% to 78%)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = right / n
+    z2 = z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence[str] = MODES,
              tasks: Sequence[str] = EVAL_TASKS, seed: int = EVAL_SEED,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -134,9 +148,11 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
     seconds = time.perf_counter() - t0
     return {
         "tasks": {t: {"accuracy": tl.right / tl.n if tl.n else 0.0, "n": tl.n,
+                      "ci95": list(wilson_interval(tl.right, tl.n)),
                       "by_mode": {m: {"accuracy": r / n, "n": n} for m, (r, n) in tl.by_mode.items()}}
                   for t, tl in tallies.items()},
         "well_formed": formed[0] / formed[1] if formed[1] else 0.0,
+        "well_formed_ci95": list(wilson_interval(formed[0], formed[1])),
         "turns": formed[1],
         "generated_tokens": generated,
         "seconds": round(seconds, 2),
@@ -148,13 +164,17 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
 
 def format_table(result: dict[str, Any]) -> str:
     modes = result["modes"]
-    lines = [f"{'task':12s}" + "".join(f"{m:>8s}" for m in modes) + f"{'all':>8s}{'n':>6s}"]
+    lines = [f"{'task':12s}" + "".join(f"{m:>8s}" for m in modes) + f"{'all':>8s}{'n':>6s}{'95% CI':>10s}"]
     for task, r in result["tasks"].items():
         cells = "".join(f"{100 * r['by_mode'][m]['accuracy']:7.1f}%" if m in r["by_mode"] else f"{'-':>8s}"
                         for m in modes)
-        lines.append(f"{task:12s}{cells}{100 * r['accuracy']:7.1f}%{r['n']:6d}")
-    lines.append(f"well-formed turns: {100 * result['well_formed']:.1f}% of {result['turns']}; "
+        lo, hi = r["ci95"]
+        lines.append(f"{task:12s}{cells}{100 * r['accuracy']:7.1f}%{r['n']:6d}{f'{100 * lo:.0f}-{100 * hi:.0f}%':>10s}")
+    lo, hi = result["well_formed_ci95"]
+    lines.append(f"well-formed turns: {100 * result['well_formed']:.1f}% of {result['turns']} "
+                 f"(95% CI {100 * lo:.1f}-{100 * hi:.1f}%); "
                  f"{result['generated_tokens']:,} tokens in {result['seconds']:.0f} s")
+    lines.append("95% CI: the Wilson interval of each share, from the number of questions alone")
     return "\n".join(lines)
 
 
