@@ -1,4 +1,5 @@
-"""`k3chat eval-demo` refuses bad arguments before it opens any model, and says what is valid."""
+"""`k3chat eval-demo`: bad arguments are refused before any model opens, saying what is valid; each
+accuracy comes with its 95% interval."""
 from __future__ import annotations
 
 import json
