@@ -175,3 +175,29 @@ def test_logits_of_selected_rows_are_those_rows_of_the_full_logits(tiny_dir: Pat
     assert some.shape == (int(rows.sum()), full.shape[-1])
     assert torch.allclose(some, full[rows], rtol=0, atol=1e-12)
     assert not torch.allclose(some, full[rows.roll(1, dims=1)], rtol=0, atol=1e-3)   # other rows differ
+
+
+def test_tied_embeddings_train_one_matrix_and_export_k3s_two_tensors(tmp_path: Path) -> None:
+    """train-demo's default: the lm_head is the embedding's parameter while training; the
+    checkpoint still holds both K3 tensors (equal), and the C engine computes what torch did."""
+    from k3chat.demo.train import DEMO_PRESET, export
+    from k3engine.oracle import Checkpoint
+    from k3engine.tokenizer_files import write_fixture_tokenizer
+
+    vocab = write_fixture_tokenizer(tmp_path)
+    m = K3Torch(DEMO_PRESET, vocab, seed=4, tie_embeddings=True)
+    embed, head = m.w("language_model.model.embed_tokens.weight"), m.w("language_model.lm_head.weight")
+    assert embed is head
+    untied = K3Torch(DEMO_PRESET, vocab, seed=4)
+    assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in m.parameters()) == embed.numel()
+    with torch.no_grad():                              # a step's change reaches both uses
+        embed.add_(torch.randn(embed.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    export(m, tmp_path, seed=4)
+    ck = Checkpoint(tmp_path)
+    stored_embed = np.asarray(ck.tensor("language_model.model.embed_tokens.weight"))
+    stored_head = np.asarray(ck.tensor("language_model.lm_head.weight"))
+    assert np.array_equal(stored_embed, stored_head)
+    ids = list(range(5, 30))
+    with torch.no_grad():
+        ours = m(torch.tensor([ids]))[0].double().numpy()
+    assert _rel_err(Model(tmp_path).forward(ids), ours) <= TOL

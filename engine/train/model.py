@@ -120,7 +120,8 @@ def mxfp4_ste(w: Tensor) -> Tensor:
 class K3Torch(nn.Module):
     """A K3-shaped model with the dimensions of a fixture Preset."""
 
-    def __init__(self, p: Preset, vocab_size: int, *, seed: int = 0, dtype: Any = None) -> None:
+    def __init__(self, p: Preset, vocab_size: int, *, seed: int = 0, dtype: Any = None,
+                 tie_embeddings: bool = False) -> None:
         super().__init__()
         self.p = p
         self.vocab_size = vocab_size
@@ -157,6 +158,12 @@ class K3Torch(nn.Module):
 
         add(LM + "embed_tokens.weight", (vocab_size, E), "bf16", "normal")
         add(LM_HEAD, (vocab_size, E), "bf16", "normal")
+        if tie_embeddings:
+            # Trained as one matrix, still stored (and exported) as the two tensors K3 has
+            # (tie_word_embeddings stays false): a token's way in and way out are then the same
+            # vector, so a circuit that copies a token from the context to the output, learnt
+            # on the frequent ids, serves a rare id too instead of being learnt id by id.
+            self._params[LM_HEAD.replace(".", "__")] = self._params[(LM + "embed_tokens.weight").replace(".", "__")]
         add(LM + "norm.weight", (E,), "bf16", "one")
         add(LM + "output_attn_res_norm.weight", (E,), "bf16", "one")
         add(LM + "output_attn_res_proj.weight", (1, E), "bf16", "zero")

@@ -188,7 +188,7 @@ def collate(torch: Any, seqs: list[tuple[list[int], list[bool]]], idx: list[int]
 
 
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
-          threads: int, resume: bool) -> dict[str, Any]:
+          threads: int, resume: bool, tie_embeddings: bool = False) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -210,9 +210,12 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
          f"({time.time() - t0:.1f} s)")
     pad = tok.special_id("[PAD]")
 
-    model = K3Torch(DEMO_PRESET, vocab, seed=seed)
-    decay, plain = [], []
+    model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings)
+    decay, plain, seen = [], [], set()
     for name, p in model.named_weights():
+        if id(p) in seen:                    # the tied lm_head is the embedding's parameter
+            continue
+        seen.add(id(p))
         if name.endswith("e_score_correction_bias"):
             p.requires_grad_(False)          # moved by load balancing, not by gradients
         elif p.ndim >= 2 and "conv1d" not in name:
@@ -269,7 +272,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     export(model, out, seed)
     meta = {
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
-        "lr": lr, "threads": threads, "train_seconds": round(train_seconds, 1),
+        "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - t0, 1), "tokens": n_tok, "trained_tokens": n_trained,
         "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
         "loss_every_50": [round(sum(history[i:i + 50]) / len(history[i:i + 50]), 4)
@@ -395,6 +398,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tie-embeddings", action="store_true",
+                    help="train the embedding and lm_head as one matrix, exported as K3's two tensors "
+                         "(an experiment: not how the shipped demo was trained)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -409,7 +415,8 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.out)
     if not args.record_only:
         meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
-                     batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume)
+                     batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
+                     tie_embeddings=args.tie_embeddings)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
