@@ -78,3 +78,21 @@ def test_the_table_and_the_json_carry_each_tasks_interval(capsys: pytest.Capture
         lo, hi = r["ci95"]
         assert f"{100 * lo:.0f}-{100 * hi:.0f}%" in next(ln for ln in table.splitlines() if ln.startswith(name))
     assert 0.0 <= result["well_formed_ci95"][0] <= result["well_formed"] <= result["well_formed_ci95"][1] <= 1.0
+
+
+def test_failures_list_every_wrong_answer_and_only_those(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    # repeat: the shipped demo gets it wrong (README); add_1d: it gets it right
+    assert evaluate.main(["--n", "2", "--tasks", "repeat,add_1d", "--modes", "low,off", "--failures",
+                          "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    wrong = {name: r["n"] - round(r["accuracy"] * r["n"]) for name, r in result["tasks"].items()}
+    assert sum(wrong.values()) == len(result["failures"]) > 0
+    assert f"{len(result['failures'])} wrong:" in printed
+    for f in result["failures"]:
+        assert f["got"] != f["expected"] or not f["well_formed"]
+        assert f["question"].endswith(f["expected"]) if f["task"] == "repeat" else True
+        assert f"{f['task']}/{f['mode']}: " in printed
+    assert {f["task"] for f in result["failures"]} <= {"repeat", "add_1d"}
+    assert sum(1 for ln in printed.splitlines() if ln.startswith(("repeat/", "add_1d/"))) == len(result["failures"])

@@ -27,7 +27,7 @@ from k3chat.tokenizer import Tokenizer
 from k3engine.limits import positive_arg
 
 from . import model_dir as demo_model_dir
-from .tasks import EVAL_TASKS, MODES, Conversation, eval_conversation, is_correct, thinking_of
+from .tasks import EVAL_TASKS, MODES, Conversation, eval_conversation, extract_answer, is_correct, thinking_of
 
 EVAL_SEED = 7_000_001
 MAX_NEW = 600
@@ -127,6 +127,7 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
     runner = DemoRunner(model, tokenizer)
     rng = random.Random(seed)
     tallies = {t: Tally() for t in tasks}
+    failures: list[dict[str, Any]] = []
     formed = [0, 0]
     generated = 0
     t0 = time.perf_counter()
@@ -140,8 +141,14 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
                     formed[1] += 1
                     generated += len(o.ids)
                 for i in conv.scored:
-                    o = outcomes[i]
-                    tallies[task].add(mode, o.well_formed and is_correct(conv.turns[i], o.content))
+                    o, t = outcomes[i], conv.turns[i]
+                    ok = o.well_formed and is_correct(t, o.content)
+                    tallies[task].add(mode, ok)
+                    if not ok:
+                        failures.append({"task": task, "mode": mode, "question": t.question,
+                                         "expected": t.accept[0], "got": extract_answer(t, o.content),
+                                         "well_formed": o.well_formed, "reasoning": o.reasoning,
+                                         "answer": o.content})
             if progress:
                 tl = tallies[task].by_mode[mode]
                 progress(f"{task:10s} {mode:4s} {tl[0]:3d}/{tl[1]:<3d}")
@@ -152,6 +159,7 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
                       "by_mode": {m: {"accuracy": r / n, "n": n} for m, (r, n) in tl.by_mode.items()}}
                   for t, tl in tallies.items()},
         "well_formed": formed[0] / formed[1] if formed[1] else 0.0,
+        "failures": failures,
         "well_formed_ci95": list(wilson_interval(formed[0], formed[1])),
         "turns": formed[1],
         "generated_tokens": generated,
@@ -178,6 +186,29 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shown(text: str | None, limit: int) -> str:
+    """Model text on one line, quoted, with newlines and control characters escaped (printed,
+    never obeyed by the terminal), cut at ``limit`` characters."""
+    if text is None:
+        return "-"
+    quoted = json.dumps(text, ensure_ascii=False)
+    return quoted if len(quoted) <= limit else quoted[: limit - 4] + '..."'
+
+
+def format_failures(result: dict[str, Any]) -> str:
+    """Each wrong answer: what was asked (its last line: after any attached file), what was
+    right, what the model's answer said, and how its reasoning ended."""
+    lines = [f"{len(result['failures'])} wrong:"]
+    for f in result["failures"]:
+        asked = f["question"].rstrip("\n").rsplit("\n", 1)[-1]
+        lines.append(f"{f['task']}/{f['mode']}: {_shown(asked, 90)} expected {_shown(f['expected'], 60)}, "
+                     f"got {_shown(f['got'], 60)}" + ("" if f["well_formed"] else " (malformed turn)"))
+        lines.append(f"    answer {_shown(f['answer'], 150)}")
+        tail = (f["reasoning"] or "")[-150:] if f["reasoning"] is not None else None
+        lines.append(f"    reasoning ends {_shown(tail, 160)}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     from k3engine.model import Model
 
@@ -190,7 +221,10 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
     ap.add_argument("--threads", type=positive_arg, default=None,
                     help="engine threads (default: 1 for a model this small, else every core)")
-    ap.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
+    ap.add_argument("--json", dest="json_out", help="write the result as JSON to this file "
+                                                    "(every wrong answer in full under \"failures\")")
+    ap.add_argument("--failures", action="store_true",
+                    help="after the table, list each wrong answer: question, expected, what it said")
     try:
         args = ap.parse_args(list(argv))
     except SystemExit as exc:
@@ -224,6 +258,9 @@ def main(argv: Sequence[str]) -> int:
     result = evaluate(model, tok, per_task=args.n, modes=modes, tasks=names, seed=args.seed,
                       progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(result))
+    if args.failures:
+        print()
+        print(format_failures(result))
     if args.json_out:
         from k3chat import paths  # private (0600) and atomic, like run --json
 

@@ -400,7 +400,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tie-embeddings", action="store_true",
                     help="train the embedding and lm_head as one matrix, exported as K3's two tensors "
-                         "(an experiment: not how the shipped demo was trained)")
+                         "(an experiment, not how the shipped demo was trained: measured worse, "
+                         "reverse 7.5%% and count 46%% against 56%% and 71%% untied)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
