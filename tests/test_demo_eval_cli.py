@@ -92,7 +92,8 @@ def test_failures_list_every_wrong_answer_and_only_those(capsys: pytest.CaptureF
     assert f"{len(result['failures'])} wrong:" in printed
     for f in result["failures"]:
         assert f["got"] != f["expected"] or not f["well_formed"]
-        assert f["question"].endswith(f["expected"]) if f["task"] == "repeat" else True
+        if f["task"] == "repeat":
+            assert f["question"].endswith(f["expected"])    # the sentence asked is the one expected
         assert f"{f['task']}/{f['mode']}: " in printed
     assert {f["task"] for f in result["failures"]} <= {"repeat", "add_1d"}
     assert sum(1 for ln in printed.splitlines() if ln.startswith(("repeat/", "add_1d/"))) == len(result["failures"])

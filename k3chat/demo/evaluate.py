@@ -188,11 +188,10 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _shown(text: str | None, limit: int) -> str:
     """Model text on one line, quoted, with newlines and control characters escaped (printed,
-    never obeyed by the terminal), cut at ``limit`` characters."""
+    never obeyed by the terminal), cut after ``limit`` characters of text."""
     if text is None:
         return "-"
-    quoted = json.dumps(text, ensure_ascii=False)
-    return quoted if len(quoted) <= limit else quoted[: limit - 4] + '..."'
+    return json.dumps(text if len(text) <= limit else text[:limit] + "...", ensure_ascii=False)
 
 
 def format_failures(result: dict[str, Any]) -> str:
@@ -204,8 +203,8 @@ def format_failures(result: dict[str, Any]) -> str:
         lines.append(f"{f['task']}/{f['mode']}: {_shown(asked, 90)} expected {_shown(f['expected'], 60)}, "
                      f"got {_shown(f['got'], 60)}" + ("" if f["well_formed"] else " (malformed turn)"))
         lines.append(f"    answer {_shown(f['answer'], 150)}")
-        tail = (f["reasoning"] or "")[-150:] if f["reasoning"] is not None else None
-        lines.append(f"    reasoning ends {_shown(tail, 160)}")
+        tail = f["reasoning"][-150:] if f["reasoning"] is not None else None
+        lines.append(f"    reasoning ends {_shown(tail, 150)}")
     return "\n".join(lines)
 
 
