@@ -158,3 +158,18 @@ def test_numbers_are_copied_digit_for_digit(tok: Tokenizer, task: str) -> None:
                 texts.append(("answer[off]", t.response_for("off")))
             for where, text in texts:
                 assert_copied(tok, t.question, m.start(), m.end(), text, f"{task} {where}: {m.group()}")
+
+
+def test_copy_warmup_draws_words_letters_and_digits_and_nothing_else(tok: Tokenizer) -> None:
+    pool = set(train.copy_pool(tok))
+    for i in pool:
+        piece = tok.token_bytes(i)
+        bare = piece[1:] if piece.startswith(b" ") else piece
+        assert bare.isascii() and bare.isalnum(), piece
+    assert not any(tok.is_special(i) for i in pool)
+    want = [" " + w for w in tasks.sentence_words() if len(w) > 2] + list("0123456789") + list("abcxyz") + [" r"]
+    for text in want:
+        (i,) = tok.encode_text(text)
+        assert i in pool, text
+    for text in ("\n", ".", ":", "**", " ("):
+        assert not pool & set(tok.encode_text(text)), text

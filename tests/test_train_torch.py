@@ -201,3 +201,24 @@ def test_tied_embeddings_train_one_matrix_and_export_k3s_two_tensors(tmp_path: P
     with torch.no_grad():
         ours = m(torch.tensor([ids]))[0].double().numpy()
     assert _rel_err(Model(tmp_path).forward(ids), ours) <= TOL
+
+
+def test_copy_warmup_rows_repeat_a_run_and_train_only_on_the_repeat() -> None:
+    import random
+
+    from k3chat.demo.train import copy_warmup_batch
+
+    pool, bos, sep, pad = list(range(10, 60)), 1, 2, 0
+    ids, target = copy_warmup_batch(torch, random.Random(3), pool, bos, sep, pad, n_seqs=64)
+    lengths = set()
+    for row, tgt in zip(ids.tolist(), target.tolist()):
+        assert row[0] == bos and row.count(sep) == 1
+        s = row.index(sep)
+        run = row[1:s]
+        end = s + 1 + len(run)
+        assert row[s + 1:end] == run and all(x == pad for x in row[end:]), row
+        assert set(run) <= set(pool)
+        lengths.add(len(run))
+        for j, t in enumerate(tgt):                # position j predicts id j + 1, only the copy
+            assert t == (row[j + 1] if s <= j < end - 1 else -100), (j, row, tgt)
+    assert min(lengths) == 3 and max(lengths) == 12      # lengths vary: no fixed offset to learn

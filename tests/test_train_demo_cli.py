@@ -1,0 +1,20 @@
+"""`k3chat train-demo` refuses bad arguments before torch is needed, saying which and why."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from k3chat.demo import train
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--copy-warmup", "-1"], "--copy-warmup must be >= 0"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "0"], "--lr must be > 0"),
+])
+def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert train.main(["--out", str(tmp_path / "m")] + args) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()            # nothing written
