@@ -254,8 +254,6 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     _log(f"data: {len(seqs):,} conversations, {n_tok:,} tokens ({n_trained:,} trained) "
          f"({time.time() - t0:.1f} s)")
     pad = tok.special_id("[PAD]")
-    pool = copy_pool(tok)
-    warm_rng = random.Random(seed ^ 0xC0B7)
 
     model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings)
     decay, plain, seen = [], [], set()
@@ -287,8 +285,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     total = copy_warmup + steps
     warmup = max(1, min(100, steps // 10))
     bias_names = model.router_bias_names()
-    bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
-    if copy_warmup:
+    if copy_warmup:      # (resuming inside the warm-up draws new rows: its rng is not saved)
+        pool, warm_rng = copy_pool(tok), random.Random(seed ^ 0xC0B7)
+        bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
         _log(f"copy warm-up: {copy_warmup} steps of {COPY_WARMUP_SEQS} runs of 3-12 ids from {len(pool)}")
     t_train = time.time()
     for step in range(start_step, total):
