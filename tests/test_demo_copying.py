@@ -173,3 +173,16 @@ def test_copy_warmup_draws_words_letters_and_digits_and_nothing_else(tok: Tokeni
         assert i in pool, text
     for text in ("\n", ".", ":", "**", " ("):
         assert not pool & set(tok.encode_text(text)), text
+
+
+def test_copy_mix_draws_the_tasks_words_and_letters_and_never_digits(tok: Tokenizer) -> None:
+    pool = set(train.task_copy_pool(tok))
+    assert pool and not any(tok.is_special(i) for i in pool)
+    want = ([" " + w for w in tasks.sentence_words() if len(w) > 2] + list("abcxyz") + [" r"]
+            + [" " + w for label in tasks.DOC_LABELS for w in label.split()])
+    for text in want:
+        (i,) = tok.encode_text(text)
+        assert i in pool, text
+    # digits are copied by position inside the column lines; the scaffolding is not copied
+    for text in list("0123456789") + [" 7", "\n", ":", "**", " file", " column", " carry"]:
+        assert not pool & set(tok.encode_text(text)), text

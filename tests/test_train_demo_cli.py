@@ -10,6 +10,7 @@ from k3chat.demo import train
 
 @pytest.mark.parametrize("args, said", [
     (["--copy-warmup", "-1"], "--copy-warmup must be >= 0"),
+    (["--copy-mix", "-2"], "--copy-mix must be >= 0"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--lr", "0"], "--lr must be > 0"),
 ])

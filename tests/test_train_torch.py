@@ -222,3 +222,25 @@ def test_copy_warmup_rows_repeat_a_run_and_train_only_on_the_repeat() -> None:
         for j, t in enumerate(tgt):                # position j predicts id j + 1, only the copy
             assert t == (row[j + 1] if s <= j < end - 1 else -100), (j, row, tgt)
     assert min(lengths) == 3 and max(lengths) == 12      # lengths vary: no fixed offset to learn
+
+
+def test_copy_mix_rows_add_their_own_loss_and_leave_the_task_loss_as_it_was(tmp_path: Path) -> None:
+    """One step from the same weights on the same batch: the logged task loss is the same
+    with and without --copy-mix (its rows are a separate forward with their own rng), and
+    the copy loss is kept apart, near ln(vocab) for an untrained model."""
+    import json
+    import math
+
+    from k3chat.demo.train import train
+
+    runs = {}
+    for mix in (0, 4):
+        out = tmp_path / f"mix{mix}"
+        runs[mix] = train(out, steps=1, seed=5, conversations=30, batch_tokens=256, lr=1e-3, threads=1,
+                          resume=False, copy_mix=mix)
+        assert json.loads((out / "training.json").read_text())["copy_mix"] == mix
+    assert runs[0]["final_loss"] == runs[4]["final_loss"]
+    assert runs[0]["copy_loss_every_50"] == []
+    (copy_loss,) = runs[4]["copy_loss_every_50"]
+    vocab = json.loads((tmp_path / "mix4" / "config.json").read_text())["text_config"]["vocab_size"]
+    assert abs(copy_loss - math.log(vocab)) < 1.0, (copy_loss, vocab)

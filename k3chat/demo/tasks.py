@@ -567,8 +567,8 @@ def _canned(task: str, key: str, q: str, kind: str) -> Turn:
 
 _DOC_NAMES = ("report.txt", "notes.txt", "numbers.txt", "sales.md", "budget.txt", "data.csv",
               "week.txt", "scores.md", "stock.csv", "visits.txt")
-_DOC_LABELS = ("Apples", "Pears", "Monday", "Tuesday", "Friday", "Revenue", "Costs", "Team A",
-               "Team B", "North", "South", "Visitors", "Orders", "Red", "Blue", "Boxes", "Chairs")
+DOC_LABELS = ("Apples", "Pears", "Monday", "Tuesday", "Friday", "Revenue", "Costs", "Team A",
+              "Team B", "North", "South", "Visitors", "Orders", "Red", "Blue", "Boxes", "Chairs")
 _DOC_Q = {
     "+": ("Add the two numbers in the file.", "What is the total of the numbers in {name}?",
           "What do the numbers in the attached file add up to?", "Sum the numbers in the file.",
@@ -592,7 +592,7 @@ def _attachment(rng: random.Random, text: str, name: str | None = None) -> Attac
 
 def _notes_text(rng: random.Random) -> str:
     """A few lines of words and numbers: a file the question is not about."""
-    return "\n".join(f"{rng.choice(_DOC_LABELS)}: {rng.randint(0, 99)}" if rng.random() < 0.5
+    return "\n".join(f"{rng.choice(DOC_LABELS)}: {rng.randint(0, 99)}" if rng.random() < 0.5
                      else _sentence(rng) for _ in range(rng.randint(1, 3)))
 
 
@@ -618,7 +618,7 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     """Arithmetic on two figures of an attached file, named by their labels."""
     op = rng.choice("+-")
     name = rng.choice(_DOC_NAMES)
-    labels = rng.sample(_DOC_LABELS, rng.choice((2, 2, 3)))
+    labels = rng.sample(DOC_LABELS, rng.choice((2, 2, 3)))
     values = [_rand_n(rng, rng.choice((1, 2, 2))) for _ in labels]
     i, j = rng.sample(range(len(labels)), 2) if len(labels) > 2 else (0, 1)
     if op == "-" and values[i] < values[j]:

@@ -229,11 +229,31 @@ def copy_warmup_batch(torch: Any, rng: random.Random, pool: Sequence[int], bos: 
     return ids, target
 
 
+def task_copy_pool(tok: Any) -> list[int]:
+    """The single ids the tasks copy, for --copy-mix: the words of the sentences to repeat,
+    the document labels' words and the letters, each bare, capitalised and after a space
+    (" fox", "Tuesday", "r", " r"). Digits are left out: they are copied by position inside
+    the column lines already, and a mix that drew them cost the addition table precision
+    (session 23: 2-digit sums 72.5% with digits in a pool of 32 rows a step)."""
+    words = set(tasks.sentence_words()) | set(tasks.LETTERS)
+    for label in tasks.DOC_LABELS:
+        words.update(label.split())
+    pool: set[int] = set()
+    for w in words:
+        for form in {w, w.capitalize()}:
+            for text in (form, " " + form):
+                ids = tok.encoding.encode_ordinary(text)
+                if len(ids) == 1:
+                    pool.add(ids[0])
+    return sorted(pool)
+
+
 # --------------------------------------------------------------------------- training
 
 
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
-          threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0) -> dict[str, Any]:
+          threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
+          copy_mix: int = 0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -289,6 +309,11 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         pool, warm_rng = copy_pool(tok), random.Random(seed ^ 0xC0B7)
         bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
         _log(f"copy warm-up: {copy_warmup} steps of {COPY_WARMUP_SEQS} runs of 3-12 ids from {len(pool)}")
+    if copy_mix:         # (a resume draws new copy rows: this rng is not saved)
+        mix_pool, mix_rng = task_copy_pool(tok), random.Random(seed ^ 0x313C)
+        bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
+        _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step")
+    copy_history: list[float] = []
     t_train = time.time()
     for step in range(start_step, total):
         if step < copy_warmup:            # warm up the learning rate, then hold it
@@ -306,6 +331,15 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         scored = target != -100
         logits = model(ids, loads, rows=scored)
         loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
+        task_loss = float(loss.detach())
+        if copy_mix and step >= copy_warmup:
+            # a separate forward: routing loads (and so the router biases) follow the task batch
+            cids, ctarget = copy_warmup_batch(torch, mix_rng, mix_pool, bos, sep, pad, n_seqs=copy_mix)
+            cscored = ctarget != -100
+            clogits = model(cids, [], rows=cscored)
+            closs = torch.nn.functional.cross_entropy(clogits.float(), ctarget[cscored])
+            copy_history.append(float(closs.detach()))
+            loss = loss + closs
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -314,11 +348,12 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             for name, load in zip(bias_names, loads):
                 f = load.float() / load.sum()
                 model.w(name).add_(1e-3 * torch.sign(f.mean() - f))
-        history.append(float(loss.detach()))
+        history.append(task_loss)
         if step % 20 == 0 or step == total - 1:
             el = time.time() - t_train
             recent = sum(history[-20:]) / len(history[-20:])
-            _log(f"step {step:5d}/{total} loss {recent:.4f} lr {cur_lr:.2e} {el:7.0f} s "
+            copy_note = f" copy {sum(copy_history[-20:]) / len(copy_history[-20:]):.4f}" if copy_history else ""
+            _log(f"step {step:5d}/{total} loss {recent:.4f}{copy_note} lr {cur_lr:.2e} {el:7.0f} s "
                  f"({(step + 1 - start_step) / max(el, 1e-9):.2f} step/s)")
         if (step + 1) % 100 == 0 or step == total - 1:
             with open_private(state_path) as fh:
@@ -329,6 +364,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     meta = {
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
         "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
+        "copy_mix": copy_mix,
+        "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
+                               for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - t0, 1), "tokens": n_tok, "trained_tokens": n_trained,
         "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
@@ -462,6 +500,10 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-warmup", type=int, default=0, metavar="STEPS",
                     help="first train STEPS steps on copying runs of random ids (an experiment: 600 "
                          "steps before 1,250 task steps measured far worse on every task)")
+    ap.add_argument("--copy-mix", type=int, default=0, metavar="ROWS",
+                    help="add ROWS rows of copying a run of 3-12 task words and letters to every "
+                         "task step, with their own loss (0: off; an experiment: 16 rows measured far "
+                         "worse on reversing and counting)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -470,8 +512,7 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0)
     bad = [f"--{k.replace('_', '-')} must be >= 1" for k in ("steps", "conversations", "batch_tokens", "threads")
            if getattr(args, k) < 1]
-    if args.copy_warmup < 0:
-        bad.append("--copy-warmup must be >= 0")
+    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix") if getattr(args, k) < 0]
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
@@ -479,7 +520,8 @@ def main(argv: Sequence[str]) -> int:
     if not args.record_only:
         meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
                      batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
-                     tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup)
+                     tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
+                     copy_mix=args.copy_mix)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
