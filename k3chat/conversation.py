@@ -308,6 +308,29 @@ def user_record(text: str, attachments: Sequence[Attachment] = ()) -> dict[str, 
     return record
 
 
+def assistant_record(*, content: str, reasoning: str | None, stop: str, model: str | None, effort: str | None,
+                     sampler: SamplerSettings, prompt: int, reused: int, generated: int) -> dict[str, Any]:
+    """The fields every answer record has, local or remote: the text, why it stopped, how it was
+    asked for and its token counts (``reasoning`` None: thinking was off). Callers add the rest."""
+    thinking = reasoning is not None
+    rec: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        rec["reasoning_content"] = reasoning
+    if stop != "end":
+        rec["interrupted"] = True
+    rec["stop"] = stop  # kept so a redraw or a resume says what the turn said
+    if model:
+        rec["model"] = model
+    rec["thinking"] = thinking
+    if thinking and effort is not None:
+        rec["effort"] = effort
+    rec["sampler"] = ({"greedy": True} if sampler.greedy else
+                      {"greedy": False, "temperature": sampler.temperature, "top_p": sampler.top_p,
+                       "top_k": sampler.top_k, "seed": sampler.seed})
+    rec["tokens"] = {"prompt": prompt, "reused": reused, "prefilled": prompt - reused, "generated": generated}
+    return rec
+
+
 def sampler_settings(
     *, sampling: bool, temperature: float, top_p: float, top_k: int, seed: int | None,
     records: Sequence[Mapping[str, Any]] = (),
@@ -950,23 +973,9 @@ class Conversation:
         return self.grammar.parse_lenient(generated, st.thinking), stop, stop_message(stop, len(generated))
 
     def _record(self, st: _TurnState, parsed: ParsedTurn, stop: str, generated: list[int]) -> dict[str, Any]:
-        rec: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if st.thinking:
-            rec["reasoning_content"] = parsed.reasoning or ""
-        if stop != "end":
-            rec["interrupted"] = True
-        rec["stop"] = stop  # kept so a redraw or a resume says what the turn said
-        if self.model_name:
-            rec["model"] = self.model_name
-        rec["thinking"] = st.thinking
-        if st.thinking and st.effort is not None:
-            rec["effort"] = st.effort
-        s = st.settings
-        rec["sampler"] = ({"greedy": True} if s.greedy else
-                          {"greedy": False, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                           "seed": s.seed})
-        rec["tokens"] = {"prompt": st.prompt_tokens, "reused": st.reused,
-                         "prefilled": st.prompt_tokens - st.reused, "generated": len(generated)}
+        rec = assistant_record(content=parsed.content, reasoning=(parsed.reasoning or "") if st.thinking else None,
+                               stop=stop, model=self.model_name, effort=st.effort, sampler=st.settings,
+                               prompt=st.prompt_tokens, reused=st.reused, generated=len(generated))
         if st.thinking:
             rec["tokens"]["reasoning"] = self._reasoning_count(generated)
         speed = {}

@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k3chat.attachments import Attachment, model_message
-from k3chat.conversation import ConversationError, TurnFailed, TurnResult, user_record
+from k3chat.conversation import ConversationError, TurnFailed, TurnResult, assistant_record, user_record
 from k3chat.events import AnswerToken, EventHandler, Notice, PhaseChanged, Prefill, ReasoningToken, Stats, TurnDone, ignore
 from k3chat.history import HistoryStore
 from k3chat.runtime import EXIT_RUNTIME, EXIT_USAGE
@@ -568,22 +568,12 @@ class RemoteConversation:
         return prompt, min(cached, prompt), completion
 
     def _record(self, thinking: bool, effort: str | None, settings: SamplerSettings, stream: _Stream,
-                started: float, interrupted: bool) -> dict[str, Any]:
-        rec: dict[str, Any] = {"role": "assistant", "content": "".join(stream.content)}
-        if thinking:
-            rec["reasoning_content"] = "".join(stream.reasoning)
-        if interrupted:
-            rec["interrupted"] = True
-        rec["model"] = self.model_name
-        rec["remote"] = self.client.endpoint.url  # where it was answered (no key: it is never stored)
-        rec["thinking"] = thinking
-        if thinking and effort is not None:
-            rec["effort"] = effort
-        rec["sampler"] = ({"greedy": True} if settings.greedy else
-                          {"greedy": False, "temperature": settings.temperature, "top_p": settings.top_p,
-                           "top_k": settings.top_k, "seed": settings.seed})
+                started: float, stop: str) -> dict[str, Any]:
         prompt, cached, completion = self._counts(stream)
-        rec["tokens"] = {"prompt": prompt, "reused": cached, "prefilled": prompt - cached, "generated": completion}
+        rec = assistant_record(content="".join(stream.content), reasoning="".join(stream.reasoning) if thinking else None,
+                               stop=stop, model=self.model_name, effort=effort, sampler=settings,
+                               prompt=prompt, reused=cached, generated=completion)
+        rec["remote"] = self.client.endpoint.url  # where it was answered (no key: it is never stored)
         prefill_s, decode_s = self._seconds(stream, started)
         speed: dict[str, float] = {}
         if decode_s > 0 and completion > 1:
@@ -625,7 +615,7 @@ class RemoteConversation:
 
     def _finish(self, turn: int, thinking: bool, effort: str | None, settings: SamplerSettings, stream: _Stream,
                 started: float, stop: str, message: str | None, emit: EventHandler) -> TurnResult:
-        record = self._record(thinking, effort, settings, stream, started, stop != "end")
+        record = self._record(thinking, effort, settings, stream, started, stop)
         stored = self._append(record)
         result = self._result(turn, settings, stream, started, stored, stop, message, saved=True)
         if message:
@@ -637,7 +627,7 @@ class RemoteConversation:
 
     def _failed(self, turn: int, thinking: bool, effort: str | None, settings: SamplerSettings, stream: _Stream,
                 started: float, exc: RemoteError, emit: EventHandler) -> TurnFailed:
-        record = self._record(thinking, effort, settings, stream, started, True)
+        record = self._record(thinking, effort, settings, stream, started, "error")
         try:
             stored, saved = self._append(record), True
         except Exception as save_exc:
@@ -652,7 +642,7 @@ class RemoteConversation:
     def _save_quietly(self, turn: int, thinking: bool, effort: str | None, settings: SamplerSettings,
                       stream: _Stream, started: float) -> None:
         try:
-            self._append(self._record(thinking, effort, settings, stream, started, True))
+            self._append(self._record(thinking, effort, settings, stream, started, "error"))
         except Exception as exc:
             log.error("could not save the partial answer: %s", exc)
 

@@ -169,6 +169,7 @@ def test_a_recorded_vllm_stream_is_shown_and_stored_like_a_local_turn(
     record = HistoryStore().load(doc["session"]).records[-1]
     assert (record["reasoning_content"], record["content"]) == (REASONING, ANSWER)
     assert "interrupted" not in record and record["remote"] == peer.url + "/v1"
+    assert record["stop"] == "end"  # why it ended is kept, as a local record keeps it
     speed = record["speed"]  # time to the first text and for the whole turn, as a local turn stores them
     assert 0 < speed["first_token_seconds"] <= speed["turn_seconds"], speed
 
@@ -198,7 +199,7 @@ def test_a_stream_cut_in_the_middle_is_saved_interrupted_and_exits_1(
     doc = json.loads(out.read_text())
     assert doc["interrupted"] is True and doc["stop"] == "error" and doc["exit_code"] == 1
     record = HistoryStore().load(doc["session"]).records[-1]
-    assert record["role"] == "assistant" and record["interrupted"] is True
+    assert record["role"] == "assistant" and record["interrupted"] is True and record["stop"] == "error"
     assert (record["reasoning_content"], record["content"]) == (REASONING, "9.8 is")
 
 
@@ -223,6 +224,7 @@ def test_the_token_limit_is_said_and_saved_as_a_local_run_does(home: Path, tmp_p
     doc = json.loads(out.read_text())
     assert (doc["stop"], doc["interrupted"], doc["reasoning"], doc["answer"]) == (
         "limit", True, "The user asks for 9.11 vs 9.8.", "")
+    assert HistoryStore().load(doc["session"]).records[-1]["stop"] == "limit"
 
 
 @pytest.mark.timeout(60)
@@ -269,7 +271,8 @@ def test_abort_stops_a_silent_stream_at_once_and_keeps_what_arrived(home: Path) 
     assert (result.stop, result.interrupted, result.reasoning, result.answer) == ("cancelled", True, REASONING, "")
     assert isinstance(done[-1], TurnDone)
     record = store.load(info.id).records[-1]
-    assert (record["reasoning_content"], record["content"], record["interrupted"]) == (REASONING, "", True)
+    assert (record["reasoning_content"], record["content"], record["interrupted"], record["stop"]) == (
+        REASONING, "", True, "cancelled")
 
 
 @pytest.mark.timeout(90)
