@@ -123,7 +123,8 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-async def until(pilot: Any, condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+async def until(pilot: Any, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    # 30 s: a streamed turn that redraws a long answer per token took over 15 s on a loaded 2-core machine
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
