@@ -97,3 +97,56 @@ def test_failures_list_every_wrong_answer_and_only_those(capsys: pytest.CaptureF
         assert f"{f['task']}/{f['mode']}: " in printed
     assert {f["task"] for f in result["failures"]} <= {"repeat", "add_1d"}
     assert sum(1 for ln in printed.splitlines() if ln.startswith(("repeat/", "add_1d/"))) == len(result["failures"])
+
+
+def _result(seed: int, **acc: tuple[float, int]) -> dict[str, object]:
+    return {"tasks": {t: {"accuracy": a, "n": n} for t, (a, n) in acc.items()}, "well_formed": 1.0,
+            "seed": seed, "per_task_and_mode": 5, "modes": ["low", "off"]}
+
+
+def test_the_comparison_puts_each_task_beside_the_earlier_result() -> None:
+    before = _result(7, add_2d=(0.75, 40), count=(0.5, 40))
+    before["well_formed"] = 0.98
+    now = _result(7, add_2d=(1.0, 40), count=(0.25, 40), repeat=(0.0, 40))
+    rows = {ln.split()[0]: ln.split()[1:] for ln in evaluate.format_comparison(before, now, "old.json").splitlines()[2:]}
+    assert rows["add_2d"] == ["75.0%", "100.0%", "+25.0"]
+    assert rows["count"] == ["50.0%", "25.0%", "-25.0"]
+    assert rows["repeat"] == ["-", "0.0%"]                         # not scored before: not in the sum
+    assert rows["sum"] == ["125.0", "125.0", "+0.0"]
+    assert rows["well-formed"] == ["98.0%", "100.0%", "+2.0"]
+    assert "not the same questions" not in evaluate.format_comparison(before, now, "old.json")
+    assert "not the same questions" in evaluate.format_comparison(_result(8, add_2d=(1.0, 40)), now, "x")
+
+
+@pytest.mark.parametrize("text, says", [
+    (None, "cannot read"),
+    ("{not json", "is not JSON"),
+    ('{"tasks": {"add_2d": {"accuracy": "high"}}, "well_formed": 1}', "is not an eval-demo result"),
+    ("[1, 2]", "is not an eval-demo result"),
+])
+def test_a_bad_file_to_compare_with_is_refused_before_any_question_runs(
+        text: str | None, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def no_eval(*a: object, **k: object) -> None:
+        raise AssertionError("the evaluation ran")
+
+    monkeypatch.setattr(evaluate, "evaluate", no_eval)
+    path = tmp_path / "before.json"
+    if text is not None:
+        path.write_text(text)
+    assert evaluate.main(["--n", "1", "--tasks", "add_1d", "--compare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--compare" in err and says in err and str(path) in err
+
+
+def test_comparing_a_run_with_itself_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "first.json"
+    assert evaluate.main(["--n", "1", "--tasks", "add_1d,count", "--modes", "low", "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert evaluate.main(["--n", "1", "--tasks", "add_1d,count", "--modes", "low", "--compare", str(out)]) == 0
+    printed = capsys.readouterr().out.split(f"compared with {out}\n", 1)[1].splitlines()
+    first = json.loads(out.read_text())
+    assert [ln.split()[0] for ln in printed[1:]] == ["add_1d", "count", "sum", "well-formed"]
+    assert all(ln.split()[-1] == "+0.0" for ln in printed[1:])
+    total = sum(100 * r["accuracy"] for r in first["tasks"].values())
+    assert printed[3].split()[1] == f"{total:.1f}"

@@ -208,6 +208,50 @@ def format_failures(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_previous(path: Path) -> dict[str, Any]:
+    """A result written by ``eval-demo --json``, checked enough to compare against; ValueError
+    names what is wrong."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc}); give a file written by eval-demo --json") from exc
+    tasks = data.get("tasks") if isinstance(data, dict) else None
+    ok = isinstance(tasks, dict) and isinstance(data.get("well_formed"), (int, float)) and all(
+        isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)) and isinstance(r.get("n"), int)
+        for r in tasks.values())
+    if not ok:
+        raise ValueError(f"{path} is not an eval-demo result (it needs \"tasks\" with accuracy and n per "
+                         "task, and \"well_formed\"); give a file written by eval-demo --json")
+    return data
+
+
+def format_comparison(previous: dict[str, Any], result: dict[str, Any], label: str) -> str:
+    """Each task's accuracy in a previous result beside this one's, the change in points, and
+    the sum over the tasks both scored: the figures to decide whether a retrained demo is
+    better. A change smaller than the intervals is luck as likely as not; the line under the
+    table says when the two were not asked the same questions."""
+    lines = [f"compared with {label}", f"{'task':12s}{'before':>9s}{'now':>9s}{'change':>9s}"]
+    sums = [0.0, 0.0]
+    for task, r in result["tasks"].items():
+        old = previous["tasks"].get(task)
+        if old is None:
+            lines.append(f"{task:12s}{'-':>9s}{100 * r['accuracy']:8.1f}%{'':>9s}")
+            continue
+        a, b = 100 * old["accuracy"], 100 * r["accuracy"]
+        sums[0] += a
+        sums[1] += b
+        lines.append(f"{task:12s}{a:8.1f}%{b:8.1f}%{b - a:+9.1f}")
+    lines.append(f"{'sum':12s}{sums[0]:9.1f}{sums[1]:9.1f}{sums[1] - sums[0]:+9.1f}")
+    wa, wb = 100 * previous["well_formed"], 100 * result["well_formed"]
+    lines.append(f"{'well-formed':12s}{wa:8.1f}%{wb:8.1f}%{wb - wa:+9.1f}")
+    same = [previous.get(k) == result.get(k) for k in ("seed", "per_task_and_mode", "modes")]
+    if not all(same):
+        lines.append("(not the same questions: the two ran with a different --seed, --n or --modes)")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     from k3engine.model import Model
 
@@ -224,6 +268,9 @@ def main(argv: Sequence[str]) -> int:
                                                     "(every wrong answer in full under \"failures\")")
     ap.add_argument("--failures", action="store_true",
                     help="after the table, list each wrong answer: question, expected, what it said")
+    ap.add_argument("--compare", metavar="PREVIOUS_JSON",
+                    help="after the table, each task's accuracy beside a result written earlier with "
+                         "--json (another model, or this one before retraining), the change and the sum")
     try:
         args = ap.parse_args(list(argv))
     except SystemExit as exc:
@@ -241,6 +288,13 @@ def main(argv: Sequence[str]) -> int:
     if problem is not None:
         print(f"k3chat eval-demo: {problem}", file=sys.stderr)
         return 2
+    previous = None
+    if args.compare:            # checked before the questions run, not after
+        try:
+            previous = load_previous(Path(args.compare))
+        except ValueError as exc:
+            print(f"k3chat eval-demo: --compare: {exc}", file=sys.stderr)
+            return 2
     path = Path(args.model_dir) if args.model_dir else demo_model_dir()
     if not (path / "config.json").is_file():
         print(f"k3chat eval-demo: {path} is not a model directory (no config.json)", file=sys.stderr)
@@ -260,6 +314,9 @@ def main(argv: Sequence[str]) -> int:
     if args.failures:
         print()
         print(format_failures(result))
+    if previous is not None:
+        print()
+        print(format_comparison(previous, result, args.compare))
     if args.json_out:
         from k3chat import paths  # private (0600) and atomic, like run --json
 
