@@ -118,6 +118,19 @@ def test_the_comparison_puts_each_task_beside_the_earlier_result() -> None:
     assert "not the same questions" in evaluate.format_comparison(_result(8, add_2d=(1.0, 40)), now, "x")
 
 
+def test_the_comparison_adds_up_as_printed() -> None:
+    # 81.25 and 63.75 show as 81.2 and 63.8: the change and the sum must be of what is shown
+    before = _result(7, add_2d=(0.8125, 80), count=(0.6375, 80), compare=(0.7125, 80))
+    now = _result(7, add_2d=(0.9375, 80), count=(0.4125, 80), compare=(0.8875, 80))
+    rows = {ln.split()[0]: ln.split()[1:] for ln in evaluate.format_comparison(before, now, "x").splitlines()[2:]}
+    shown = {t: (float(v[0].rstrip("%")), float(v[1].rstrip("%")), float(v[2])) for t, v in rows.items()}
+    for task, (a, b, change) in shown.items():
+        assert round(b - a, 1) == change, (task, rows[task])
+    tasks_only = [v for t, v in shown.items() if t not in ("sum", "well-formed")]
+    assert round(sum(a for a, _, _ in tasks_only), 1) == shown["sum"][0]
+    assert round(sum(b for _, b, _ in tasks_only), 1) == shown["sum"][1]
+
+
 @pytest.mark.parametrize("text, says", [
     (None, "cannot read"),
     ("{not json", "is not JSON"),

@@ -239,12 +239,13 @@ def format_comparison(previous: dict[str, Any], result: dict[str, Any], label: s
         if old is None:
             lines.append(f"{task:12s}{'-':>9s}{100 * r['accuracy']:8.1f}%{'':>9s}")
             continue
-        a, b = 100 * old["accuracy"], 100 * r["accuracy"]
+        # changes and sums are of the figures as shown, so the table adds up as printed
+        a, b = round(100 * old["accuracy"], 1), round(100 * r["accuracy"], 1)
         sums[0] += a
         sums[1] += b
         lines.append(f"{task:12s}{a:8.1f}%{b:8.1f}%{b - a:+9.1f}")
     lines.append(f"{'sum':12s}{sums[0]:9.1f}{sums[1]:9.1f}{sums[1] - sums[0]:+9.1f}")
-    wa, wb = 100 * previous["well_formed"], 100 * result["well_formed"]
+    wa, wb = round(100 * previous["well_formed"], 1), round(100 * result["well_formed"], 1)
     lines.append(f"{'well-formed':12s}{wa:8.1f}%{wb:8.1f}%{wb - wa:+9.1f}")
     same = [previous.get(k) == result.get(k) for k in ("seed", "per_task_and_mode", "modes")]
     if not all(same):
