@@ -12,6 +12,10 @@ from k3chat.demo import train
     (["--copy-warmup", "-1"], "--copy-warmup must be >= 0"),
     (["--copy-mix", "-2"], "--copy-mix must be >= 0"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--copy-mix-from", "-1"], "--copy-mix-from must be >= 0"),
+    (["--copy-mix-from", "100"], "--copy-mix-from needs --copy-mix ROWS"),
+    (["--copy-mix", "8", "--copy-mix-from", "1500"], "--copy-mix-from must be below --steps (1500)"),
+    (["--copy-mix", "8", "--steps", "10", "--copy-mix-from", "10"], "must be below --steps (10)"),
     (["--lr", "0"], "--lr must be > 0"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,

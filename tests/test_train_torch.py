@@ -244,3 +244,23 @@ def test_copy_mix_rows_add_their_own_loss_and_leave_the_task_loss_as_it_was(tmp_
     (copy_loss,) = runs[4]["copy_loss_every_50"]
     vocab = json.loads((tmp_path / "mix4" / "config.json").read_text())["text_config"]["vocab_size"]
     assert abs(copy_loss - math.log(vocab)) < 1.0, (copy_loss, vocab)
+
+
+def test_copy_mix_from_leaves_the_steps_before_it_as_the_plain_runs(tmp_path: Path) -> None:
+    """--copy-mix-from 2 on a 3-step run: the copy rows join at the last step only, so the
+    task losses (each taken before its step's update) are the plain run's exactly, while the
+    weights written at the end are not (that last update had the copy rows' gradient)."""
+    import json
+
+    from k3chat.demo.train import train
+
+    meta, weights = {}, {}
+    for mix, start in ((0, 0), (4, 2)):
+        out = tmp_path / f"mix{mix}"
+        meta[mix] = train(out, steps=3, seed=5, conversations=30, batch_tokens=256, lr=1e-3, threads=1,
+                          resume=False, copy_mix=mix, copy_mix_from=start)
+        weights[mix] = {p.name: p.read_bytes() for p in sorted(out.glob("model-*.safetensors"))}
+    assert meta[4]["copy_steps"] == 1 and meta[0]["copy_steps"] == 0
+    assert meta[4]["copy_mix_from"] == 2
+    assert meta[4]["loss_every_50"] == meta[0]["loss_every_50"]
+    assert weights[4].keys() == weights[0].keys() and weights[4] != weights[0]

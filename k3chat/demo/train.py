@@ -253,7 +253,7 @@ def task_copy_pool(tok: Any) -> list[int]:
 
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
-          copy_mix: int = 0) -> dict[str, Any]:
+          copy_mix: int = 0, copy_mix_from: int = 0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -312,7 +312,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     if copy_mix:         # (a resume draws new copy rows: this rng is not saved)
         mix_pool, mix_rng = task_copy_pool(tok), random.Random(seed ^ 0x313C)
         bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
-        _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step")
+        _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step"
+             + (f" from task step {copy_mix_from}" if copy_mix_from else ""))
     copy_history: list[float] = []
     t_train = time.time()
     for step in range(start_step, total):
@@ -332,8 +333,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         logits = model(ids, loads, rows=scored)
         loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
         task_loss = float(loss.detach())
-        if copy_mix and step >= copy_warmup:
-            # a separate forward: routing loads (and so the router biases) follow the task batch
+        if copy_mix and step >= copy_warmup + copy_mix_from:
+            # a separate forward: routing loads (and so the router biases) follow the task batch;
+            # before copy_mix_from the run is the plain run's, bit for bit (its own rng)
             cids, ctarget = copy_warmup_batch(torch, mix_rng, mix_pool, bos, sep, pad, n_seqs=copy_mix)
             cscored = ctarget != -100
             clogits = model(cids, [], rows=cscored)
@@ -364,7 +366,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     meta = {
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
         "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
-        "copy_mix": copy_mix,
+        "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_steps": len(copy_history),
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
@@ -504,6 +506,9 @@ def main(argv: Sequence[str]) -> int:
                     help="add ROWS rows of copying a run of 3-12 task words and letters to every "
                          "task step, with their own loss (0: off; an experiment: 16 rows measured far "
                          "worse on reversing and counting)")
+    ap.add_argument("--copy-mix-from", type=int, default=0, metavar="STEP",
+                    help="with --copy-mix: add the copy rows only from task step STEP on, so the "
+                         "steps before it are the plain run's")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -512,7 +517,12 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0)
     bad = [f"--{k.replace('_', '-')} must be >= 1" for k in ("steps", "conversations", "batch_tokens", "threads")
            if getattr(args, k) < 1]
-    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix") if getattr(args, k) < 0]
+    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix", "copy_mix_from")
+            if getattr(args, k) < 0]
+    if args.copy_mix_from and not args.copy_mix:
+        bad.append("--copy-mix-from needs --copy-mix ROWS")
+    elif args.copy_mix_from >= args.steps >= 1:
+        bad.append(f"--copy-mix-from must be below --steps ({args.steps}): no step would add copy rows")
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
@@ -521,7 +531,7 @@ def main(argv: Sequence[str]) -> int:
         meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
                      batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
                      tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
-                     copy_mix=args.copy_mix)
+                     copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
