@@ -16,6 +16,11 @@ from k3chat.demo import train
     (["--copy-mix-from", "100"], "--copy-mix-from needs --copy-mix ROWS"),
     (["--copy-mix", "8", "--copy-mix-from", "1500"], "--copy-mix-from must be below --steps (1500)"),
     (["--copy-mix", "8", "--steps", "10", "--copy-mix-from", "10"], "must be below --steps (10)"),
+    (["--copy-mix-until", "-1"], "--copy-mix-until must be >= 0"),
+    (["--copy-mix-until", "500"], "--copy-mix-until needs --copy-mix ROWS"),
+    (["--copy-mix-from", "5", "--copy-mix-until", "9"], "--copy-mix-from and --copy-mix-until need --copy-mix"),
+    (["--copy-mix", "8", "--copy-mix-until", "1501"], "--copy-mix-until must be above --copy-mix-from (0) and at most --steps (1500)"),
+    (["--copy-mix", "8", "--copy-mix-from", "40", "--copy-mix-until", "40"], "above --copy-mix-from (40)"),
     (["--lr", "0"], "--lr must be > 0"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,

@@ -264,3 +264,22 @@ def test_copy_mix_from_leaves_the_steps_before_it_as_the_plain_runs(tmp_path: Pa
     assert meta[4]["copy_mix_from"] == 2
     assert meta[4]["loss_every_50"] == meta[0]["loss_every_50"]
     assert weights[4].keys() == weights[0].keys() and weights[4] != weights[0]
+
+
+def test_copy_mix_until_leaves_the_steps_after_it_to_the_tasks(tmp_path: Path) -> None:
+    """--copy-mix-until 1 on a 3-step run: only the first step adds copy rows. Its update has
+    their gradient, so from the second step on the task losses differ from the plain run's,
+    while the first (taken before any update) is the same."""
+    import json
+
+    from k3chat.demo.train import train
+
+    meta = {}
+    for mix, until in ((0, 0), (4, 1)):
+        meta[mix] = train(tmp_path / f"mix{mix}", steps=3, seed=5, conversations=30, batch_tokens=256,
+                          lr=1e-3, threads=1, resume=False, copy_mix=mix, copy_mix_until=until)
+    assert meta[4]["copy_steps"] == 1 and meta[4]["copy_mix_until"] == 1
+    assert len(meta[4]["copy_loss_every_50"]) == 1
+    written = json.loads((tmp_path / "mix4" / "training.json").read_text())
+    assert written["copy_steps"] == 1
+    assert meta[4]["loss_every_50"] != meta[0]["loss_every_50"]

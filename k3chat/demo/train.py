@@ -253,7 +253,7 @@ def task_copy_pool(tok: Any) -> list[int]:
 
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
-          copy_mix: int = 0, copy_mix_from: int = 0) -> dict[str, Any]:
+          copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -313,7 +313,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         mix_pool, mix_rng = task_copy_pool(tok), random.Random(seed ^ 0x313C)
         bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
         _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step"
-             + (f" from task step {copy_mix_from}" if copy_mix_from else ""))
+             + (f" from task step {copy_mix_from}" if copy_mix_from else "")
+             + (f" until task step {copy_mix_until}" if copy_mix_until else ""))
     copy_history: list[float] = []
     t_train = time.time()
     for step in range(start_step, total):
@@ -333,7 +334,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         logits = model(ids, loads, rows=scored)
         loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
         task_loss = float(loss.detach())
-        if copy_mix and step >= copy_warmup + copy_mix_from:
+        if copy_mix and copy_mix_from <= step - copy_warmup < (copy_mix_until or steps):
             # a separate forward: routing loads (and so the router biases) follow the task batch;
             # before copy_mix_from the run is the plain run's, bit for bit (its own rng)
             cids, ctarget = copy_warmup_batch(torch, mix_rng, mix_pool, bos, sep, pad, n_seqs=copy_mix)
@@ -366,7 +367,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     meta = {
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
         "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
-        "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_steps": len(copy_history),
+        "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
+        "copy_steps": len(copy_history),
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
@@ -509,6 +511,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-mix-from", type=int, default=0, metavar="STEP",
                     help="with --copy-mix: add the copy rows only from task step STEP on, so the "
                          "steps before it are the plain run's")
+    ap.add_argument("--copy-mix-until", type=int, default=0, metavar="STEP",
+                    help="with --copy-mix: stop adding the copy rows at task step STEP (0: never), "
+                         "so the rest of the run trains on the tasks alone")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -517,12 +522,16 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0)
     bad = [f"--{k.replace('_', '-')} must be >= 1" for k in ("steps", "conversations", "batch_tokens", "threads")
            if getattr(args, k) < 1]
-    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix", "copy_mix_from")
+    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix", "copy_mix_from", "copy_mix_until")
             if getattr(args, k) < 0]
-    if args.copy_mix_from and not args.copy_mix:
-        bad.append("--copy-mix-from needs --copy-mix ROWS")
+    given = [f"--{k}" for k in ("copy-mix-from", "copy-mix-until") if getattr(args, k.replace("-", "_"))]
+    if given and not args.copy_mix:
+        bad.append(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --copy-mix ROWS")
     elif args.copy_mix_from >= args.steps >= 1:
         bad.append(f"--copy-mix-from must be below --steps ({args.steps}): no step would add copy rows")
+    elif args.copy_mix_until and not args.copy_mix_from < args.copy_mix_until <= args.steps:
+        bad.append(f"--copy-mix-until must be above --copy-mix-from ({args.copy_mix_from}) and at most "
+                   f"--steps ({args.steps})")
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
@@ -531,7 +540,8 @@ def main(argv: Sequence[str]) -> int:
         meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
                      batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
                      tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
-                     copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from)
+                     copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from,
+                     copy_mix_until=args.copy_mix_until)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
