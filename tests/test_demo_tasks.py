@@ -198,3 +198,65 @@ def test_training_rows_mask_exactly_the_assistant_turns(demo_tok: Tokenizer) -> 
             parsed = grammar.parse_strict(ids[a:b], thinking)        # a well-formed turn, end id last
             assert parsed.content == turn.response_for(conv.mode)
             assert parsed.reasoning == (turn.reasoning[conv.mode] if thinking else None)
+
+
+def _larger_by_places(a: int, b: int) -> tuple[str, int, int] | None:
+    """(place, digit of a, digit of b) where a and b first differ from the highest place, for
+    numbers of the same length; computed here from the strings, not by the generator."""
+    names = ("Ones", "Tens", "Hundreds", "Thousands")
+    sa, sb = str(a), str(b)
+    for i in range(len(sa)):
+        if sa[i] != sb[i]:
+            return names[len(sa) - 1 - i], int(sa[i]), int(sb[i])
+    return None
+
+
+def test_the_default_text_style_writes_no_sign_verdict() -> None:
+    """The shipped model's text: a difference states no place-by-place verdict, and a >= b has
+    no sign line at all (so `train-demo` with no text options reproduces it)."""
+    assert tasks.current_style() == tasks.TextStyle()
+    for a, b in ((706, 343), (197, 454), (3, 3)):
+        reasoning, _, off = tasks._arith_reasoning(a, "-", b)
+        for text in list(reasoning.values()) + [off]:
+            assert " vs " not in text and ">=" not in text and "same number" not in text, text
+
+
+def test_sign_by_places_decides_a_difference_sign_from_the_places() -> None:
+    rng = random.Random(12)
+    pairs = [(706, 343), (197, 454), (3, 3), (2, 3), (410, 8), (8, 410), (55, 57), (999, 990)]
+    pairs += [(rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300)]
+    with tasks.text_style(tasks.TextStyle(sign_by_places=True)):
+        for a, b in pairs:
+            reasoning, r, off = tasks._arith_reasoning(a, "-", b)
+            assert r == a - b
+            big, small = max(a, b), min(a, b)
+            if a == b:
+                verdict = f"{a} and {b} are the same number."
+            elif len(str(a)) != len(str(b)):
+                verdict = f"has {('Ones', 'Tens', 'Hundreds')[len(str(big)) - 1]} and {small} does not, so {big} is larger."
+            else:
+                place, da, db = _larger_by_places(a, b)
+                verdict = f"{place}: {da} vs {db}, so {big} is larger."
+            sign = f"{a} >= {b}" if a >= b else f"{a} < {b}, so compute {b} - {a} and negate."
+            said = {"low": sign, "high": f"{a} >= {b}, so the result is not negative." if a >= b
+                    else f"{a} is smaller than {b}, so the result is negative."}
+            said["max"] = said["high"]
+            for effort, text in reasoning.items():
+                lines = text.splitlines()
+                v = next(i for i, ln in enumerate(lines) if ln.endswith(verdict))
+                assert lines[v + 1].startswith(said[effort]), (effort, text)
+            steps = off.split("\n\n")[1].splitlines()
+            v = next(i for i, ln in enumerate(steps) if ln.endswith(verdict))
+            assert steps[v + 1].startswith("- " + sign), off
+            assert off.endswith(f"= **{a - b}**.")
+
+
+def test_a_moved_task_mix_changes_which_tasks_are_drawn() -> None:
+    def tasks_drawn(style: tasks.TextStyle) -> set[str]:
+        rng = random.Random(8)
+        with tasks.text_style(style):
+            return {t.task for _ in range(1500) for t in tasks.training_conversation(rng).turns}
+    assert "repeat" in tasks_drawn(tasks.TextStyle())
+    moved = tasks_drawn(tasks.TextStyle(weights=(("repeat", 0.0), ("reverse", 0.0))))
+    assert "repeat" not in moved and "reverse" not in moved and "count" in moved
+    assert tasks.current_style() == tasks.TextStyle()     # the block restored the default

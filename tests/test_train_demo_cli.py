@@ -28,3 +28,25 @@ def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_p
     assert train.main(["--out", str(tmp_path / "m")] + args) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "m").exists()            # nothing written
+
+
+@pytest.mark.parametrize("mix, said", [
+    ("foo=0.1", "--mix: unknown task 'foo'"),
+    ("add_3d", "'add_3d' needs TASK=WEIGHT"),
+    ("add_3d=x", "'add_3d=x' needs TASK=WEIGHT with a weight >= 0"),
+    ("add_3d=-0.1", "weight >= 0"),
+    ("add_3d=nan", "weight >= 0"),
+    ("count=0.1,count=0.2", "--mix: count is given twice"),
+    (",".join(f"{t}=0" for t in ("add_1d", "add_2d", "add_3d", "sub_1d", "sub_2d", "sub_3d", "compare",
+                                  "count", "reverse", "repeat", "about", "other", "document")),
+     "the weights add up to 0"),
+])
+def test_a_bad_task_mix_is_refused(mix: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert train.main(["--out", str(tmp_path / "m"), "--mix", mix]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_task_mix_parses_to_weights() -> None:
+    assert train.parse_mix("add_3d=0.12, count=0.14") == ((("add_3d", 0.12), ("count", 0.14)), [])
+    assert train.parse_mix("") == ((), [])

@@ -19,13 +19,15 @@ No torch and no Textual here: the chat core may import this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import random
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from k3chat.attachments import Attachment, kind_for, render_user_message
 
@@ -33,6 +35,36 @@ EFFORTS: tuple[str, ...] = ("low", "high", "max")
 MODES: tuple[str, ...] = EFFORTS + ("off",)   # "off": thinking off
 PLACES = ("Ones", "Tens", "Hundreds", "Thousands", "Ten thousands")
 HELD_OUT_MOD = 10
+
+
+@dataclass(frozen=True)
+class TextStyle:
+    """How the training text is written. The default is the text the shipped demo was trained
+    on, bit for bit; the options are experiments of ``train-demo`` (they change the reasoning
+    and the task mix, never a question, a key or an accepted answer, so evaluation is the same)."""
+
+    # subtraction first compares a and b place by place, in the very lines `compare` writes,
+    # and states its sign from that verdict ("706 >= 343."), instead of a bare claim
+    sign_by_places: bool = False
+    # (task, weight) pairs that replace SINGLE_TASKS' weights for single-task conversations
+    weights: tuple[tuple[str, float], ...] = ()
+
+
+_STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
+
+
+def current_style() -> TextStyle:
+    return _STYLE.get()
+
+
+@contextlib.contextmanager
+def text_style(style: TextStyle) -> Iterator[None]:
+    """Generate training text in ``style`` inside the block."""
+    token = _STYLE.set(style)
+    try:
+        yield
+    finally:
+        _STYLE.reset(token)
 
 
 def held_out(key: str) -> bool:
@@ -187,6 +219,26 @@ def _sub_lines(a: int, b: int) -> tuple[list[str], list[str], int]:
     return high, low, a - b
 
 
+def _place_verdict(x: int, y: int) -> list[str]:
+    """Which of x and y is larger, decided place by place from the highest: the lines
+    `compare` writes, and (with TextStyle.sign_by_places) the lines a difference's sign rests on."""
+    big, small = max(x, y), min(x, y)
+    sx, sy = str(x), str(y)
+    if x == y:
+        return [f"{x} and {y} are the same number."]
+    if len(sx) != len(sy):
+        return [f"{big} has {PLACES[len(str(big)) - 1]} and {small} does not, so {big} is larger."]
+    lines = [f"Both go up to {PLACES[len(sx) - 1]}."]
+    for i, (cx, cy) in enumerate(zip(sx, sy)):
+        place = PLACES[len(sx) - 1 - i]
+        if cx == cy:
+            lines.append(f"{place}: {cx} and {cy} are the same.")
+        else:
+            lines.append(f"{place}: {cx} vs {cy}, so {big} is larger.")
+            break
+    return lines
+
+
 def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[str, str], int, str]:
     """Reasoning for a op b (a, b >= 0) at each effort, the result, and the answer with
     thinking off (the low steps as a list, then the bold result)."""
@@ -212,6 +264,11 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         intro_high = f"Subtract {bottom} from {top} column by column, from the ones."
         intro_max = (f"The task is {a} - {b}. I will subtract column by column, starting with the "
                      f"ones and borrowing 10 when a column would go below zero.")
+        if _STYLE.get().sign_by_places:
+            # the sign follows from a place-by-place verdict, stated at every effort
+            verdict = _place_verdict(a, b)
+            neg_low = "\n".join(verdict + [neg_low or f"{a} >= {b}."])
+            neg_high = "\n".join(verdict + [neg_high or f"{a} >= {b}, so the result is not negative."])
     read = f"Reading the written digits from the highest place down gives {abs(r)}."
     lead_sp = lead + "\n" if lead else ""
     reasoning = {
@@ -222,7 +279,8 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
     expr = f"{a} {op} {b}"
-    return reasoning, r, _steps_answer(f"{expr} by columns:", [p for p in [neg_low] + low if p], f"{expr} = **{r}**.")
+    steps = [p for p in neg_low.split("\n") + low if p]
+    return reasoning, r, _steps_answer(f"{expr} by columns:", steps, f"{expr} = **{r}**.")
 
 
 def _steps_answer(head: str, steps: list[str], result: str) -> str:
@@ -307,21 +365,7 @@ def compare(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         head = f"The {kind} of {x} and {y}."
         spelled = [f"{n}: " + ", ".join(f"{PLACES[i]} {d}" for i, d in enumerate(_digits(n))) + "."
                    for n in (x, y)]
-        sx, sy = str(x), str(y)
-        verdict: list[str] = []
-        if x == y:
-            verdict.append(f"{x} and {y} are the same number.")
-        elif len(sx) != len(sy):
-            verdict.append(f"{big} has {PLACES[len(str(big)) - 1]} and {small} does not, so {big} is larger.")
-        else:
-            verdict.append(f"Both go up to {PLACES[len(sx) - 1]}.")
-            for i, (cx, cy) in enumerate(zip(sx, sy)):
-                place = PLACES[len(sx) - 1 - i]
-                if cx == cy:
-                    verdict.append(f"{place}: {cx} and {cy} are the same.")
-                else:
-                    verdict.append(f"{place}: {cx} vs {cy}, so {big} is larger.")
-                    break
+        verdict = _place_verdict(x, y)
         if x != y and kind == "smaller":
             verdict.append(f"So {small} is smaller.")
         reasoning = {
@@ -716,7 +760,8 @@ def _draw(rng: random.Random, maker: Maker, want_held_out: bool, tries: int = 40
 
 def _pick_task(rng: random.Random) -> str:
     names = list(SINGLE_TASKS)
-    return rng.choices(names, weights=[SINGLE_TASKS[n][0] for n in names])[0]
+    moved = dict(_STYLE.get().weights)
+    return rng.choices(names, weights=[moved.get(n, SINGLE_TASKS[n][0]) for n in names])[0]
 
 
 def training_conversation(rng: random.Random) -> Conversation:

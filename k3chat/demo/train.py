@@ -369,6 +369,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
         "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
         "copy_steps": len(copy_history),
+        # the training text's options (TextStyle; the defaults are the shipped demo's text)
+        "sign_by_places": tasks.current_style().sign_by_places, "mix": dict(tasks.current_style().weights),
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
@@ -488,6 +490,31 @@ def record_prompts(model_dir: Path, *, seed: int = PROMPT_SEED, per: int = PROMP
 # ------------------------------------------------------------------------------- CLI
 
 
+def parse_mix(text: str) -> tuple[tuple[tuple[str, float], ...], list[str]]:
+    """``--mix add_3d=0.12,count=0.14`` -> ((task, weight), ...) and what is wrong with it."""
+    pairs: list[tuple[str, float]] = []
+    bad: list[str] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, value = item.partition("=")
+        try:
+            weight = float(value) if eq else -1.0
+        except ValueError:
+            weight = -1.0
+        if name not in tasks.SINGLE_TASKS:
+            bad.append(f"--mix: unknown task {name!r} (tasks: {', '.join(tasks.SINGLE_TASKS)})")
+        elif not (weight >= 0 and math.isfinite(weight)):
+            bad.append(f"--mix: {item!r} needs TASK=WEIGHT with a weight >= 0, as in add_3d=0.12")
+        elif name in dict(pairs):
+            bad.append(f"--mix: {name} is given twice")
+        else:
+            pairs.append((name, weight))
+    if pairs and not bad:
+        moved = dict(pairs)
+        if sum(moved.get(n, w) for n, (w, _) in tasks.SINGLE_TASKS.items()) <= 0:
+            bad.append("--mix: the weights add up to 0, so no task could be drawn")
+    return tuple(pairs), bad
+
+
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="k3chat train-demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -514,6 +541,12 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-mix-until", type=int, default=0, metavar="STEP",
                     help="with --copy-mix: stop adding the copy rows at task step STEP (0: never), "
                          "so the rest of the run trains on the tasks alone")
+    ap.add_argument("--sign-by-places", action="store_true",
+                    help="training text: a difference decides its sign with the place-by-place "
+                         "verdict `compare` writes, at every effort (an experiment)")
+    ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
+                    help="training text: these weights replace the named tasks' default weights "
+                         "among single-task conversations (an experiment; others keep theirs)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -532,16 +565,20 @@ def main(argv: Sequence[str]) -> int:
     elif args.copy_mix_until and not args.copy_mix_from < args.copy_mix_until <= args.steps:
         bad.append(f"--copy-mix-until must be above --copy-mix-from ({args.copy_mix_from}) and at most "
                    f"--steps ({args.steps})")
+    weights, why = parse_mix(args.mix)
+    bad += why
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights)
     if not args.record_only:
-        meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
-                     batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
-                     tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
-                     copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from,
-                     copy_mix_until=args.copy_mix_until)
+        with tasks.text_style(style):
+            meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
+                         batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
+                         tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
+                         copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from,
+                         copy_mix_until=args.copy_mix_until)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
