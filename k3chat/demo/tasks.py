@@ -48,6 +48,9 @@ class TextStyle:
     sign_by_places: bool = False
     # (task, weight) pairs that replace SINGLE_TASKS' weights for single-task conversations
     weights: tuple[tuple[str, float], ...] = ()
+    # counting writes a decision on every spelled line ("c: no", "r: yes (2)"), so marking a
+    # letter is never an optional insertion into a run that copies the word letter by letter
+    count_decisions: bool = False
 
 
 _STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
@@ -397,14 +400,16 @@ _COUNT_Q = ("How many {c}'s are in {w}?", "How many times does the letter {c} ap
 def _letter_lines(w: str, c: str) -> str:
     """The word one letter per line, each letter the very id it has inside the word (after a
     newline a letter is bare, as inside a word; after a space it would be another id, " r").
-    Each letter c gets its running count: "r (2)"."""
+    Each letter c gets its running count: "r (2)". With TextStyle.count_decisions every line
+    says whether its letter is c: "a: no", "r: yes (2)"."""
+    decide = _STYLE.get().count_decisions
     lines, n = [], 0
     for ch in w:
         if ch == c:
             n += 1
-            lines.append(f"{ch} ({n})")
+            lines.append(f"{ch}: yes ({n})" if decide else f"{ch} ({n})")
         else:
-            lines.append(ch)
+            lines.append(f"{ch}: no" if decide else ch)
     return "\n".join(lines)
 
 
