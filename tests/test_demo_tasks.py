@@ -260,3 +260,41 @@ def test_a_moved_task_mix_changes_which_tasks_are_drawn() -> None:
     moved = tasks_drawn(tasks.TextStyle(weights=(("repeat", 0.0), ("reverse", 0.0))))
     assert "repeat" not in moved and "reverse" not in moved and "count" in moved
     assert tasks.current_style() == tasks.TextStyle()     # the block restored the default
+
+
+def _count_question(question: str) -> tuple[str, str]:
+    """(letter, word) read from a counting question by regex, not by the generator."""
+    m = (re.search(r"How many (\w)'s are in (\w+)\?", question)
+         or re.search(r"letter (\w) appear in (\w+)\?", question))
+    if m:
+        return m.group(1), m.group(2)
+    m = (re.search(r"Count the (\w)'s in (\w+)\.", question) or re.search(r"is (\w) in the word (\w+)\?", question)
+         or re.search(r"how many (\w) in (\w+)\?", question))
+    if m:
+        return m.group(1), m.group(2)
+    m = re.search(r"In the word (\w+), how many (\w)'s", question)
+    assert m, question
+    return m.group(2), m.group(1)
+
+
+def test_count_decisions_write_a_verdict_on_every_spelled_line() -> None:
+    """Every spelled letter is followed by its own decision; the running number of a yes is
+    the count of c up to that letter, and the last one is the answer (computed here)."""
+    rng = random.Random(21)
+    seen_no_match = False
+    with tasks.text_style(tasks.TextStyle(count_decisions=True)):
+        for _ in range(300):
+            _, make = tasks.count_letter(rng)
+            t = make()
+            c, w = _count_question(t.question)
+            want = [f"{ch}: yes ({w[:i + 1].count(c)})" if ch == c else f"{ch}: no" for i, ch in enumerate(w)]
+            for effort, text in t.reasoning.items():
+                lines = text.splitlines()
+                assert lines[0] == f"Spell {w}, count {c}:", text
+                assert lines[1:1 + len(w)] == want, (effort, text)
+            assert t.off_response.startswith(t.reasoning["low"])
+            assert t.reasoning["low"].endswith(f"So {w.count(c)}.")
+            seen_no_match |= c not in w
+    assert seen_no_match
+    # the default text (the shipped model's) writes the bare letter and marks only matches
+    assert tasks._letter_lines("beetle", "e") == "b\ne (1)\ne (2)\nt\nl\ne (3)"
