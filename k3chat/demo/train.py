@@ -229,13 +229,15 @@ def copy_warmup_batch(torch: Any, rng: random.Random, pool: Sequence[int], bos: 
     return ids, target
 
 
-def task_copy_pool(tok: Any) -> list[int]:
+def task_copy_pool(tok: Any, letters: bool = True) -> list[int]:
     """The single ids the tasks copy, for --copy-mix: the words of the sentences to repeat,
     the document labels' words and the letters, each bare, capitalised and after a space
     (" fox", "Tuesday", "r", " r"). Digits are left out: they are copied by position inside
     the column lines already, and a mix that drew them cost the addition table precision
     (session 23: 2-digit sums 72.5% with digits in a pool of 32 rows a step)."""
-    words = set(tasks.sentence_words()) | set(tasks.LETTERS)
+    # letters=False leaves the single letters out (--copy-words-only): copying demands that
+    # "r" and " r" stay apart, counting that they be the same letter
+    words = set(tasks.sentence_words()) | (set(tasks.LETTERS) if letters else set())
     for label in tasks.DOC_LABELS:
         words.update(label.split())
     pool: set[int] = set()
@@ -253,7 +255,7 @@ def task_copy_pool(tok: Any) -> list[int]:
 
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
-          copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0) -> dict[str, Any]:
+          copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -310,7 +312,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
         _log(f"copy warm-up: {copy_warmup} steps of {COPY_WARMUP_SEQS} runs of 3-12 ids from {len(pool)}")
     if copy_mix:         # (a resume draws new copy rows: this rng is not saved)
-        mix_pool, mix_rng = task_copy_pool(tok), random.Random(seed ^ 0x313C)
+        mix_pool, mix_rng = task_copy_pool(tok, letters=not copy_words_only), random.Random(seed ^ 0x313C)
         bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
         _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step"
              + (f" from task step {copy_mix_from}" if copy_mix_from else "")
@@ -368,6 +370,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
         "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
         "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
+        "copy_words_only": copy_words_only,
         "copy_steps": len(copy_history),
         # the training text's options (TextStyle; the defaults are the shipped demo's text)
         "sign_by_places": tasks.current_style().sign_by_places, "mix": dict(tasks.current_style().weights),
@@ -542,6 +545,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-mix-until", type=int, default=0, metavar="STEP",
                     help="with --copy-mix: stop adding the copy rows at task step STEP (0: never), "
                          "so the rest of the run trains on the tasks alone")
+    ap.add_argument("--copy-words-only", action="store_true",
+                    help="with --copy-mix: draw the copy rows from the tasks' words only, no single "
+                         "letters (an experiment)")
     ap.add_argument("--sign-by-places", action="store_true",
                     help="training text: a difference decides its sign with the place-by-place "
                          "verdict `compare` writes, at every effort (an experiment)")
@@ -561,7 +567,7 @@ def main(argv: Sequence[str]) -> int:
            if getattr(args, k) < 1]
     bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("copy_warmup", "copy_mix", "copy_mix_from", "copy_mix_until")
             if getattr(args, k) < 0]
-    given = [f"--{k}" for k in ("copy-mix-from", "copy-mix-until") if getattr(args, k.replace("-", "_"))]
+    given = [f"--{k}" for k in ("copy-mix-from", "copy-mix-until", "copy-words-only") if getattr(args, k.replace("-", "_"))]
     if given and not args.copy_mix:
         bad.append(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --copy-mix ROWS")
     elif args.copy_mix_from >= args.steps >= 1:
@@ -582,7 +588,7 @@ def main(argv: Sequence[str]) -> int:
             meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
                          batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
                          tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
-                         copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from,
+                         copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
                          copy_mix_until=args.copy_mix_until)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
