@@ -186,3 +186,22 @@ def test_copy_mix_draws_the_tasks_words_and_letters_and_never_digits(tok: Tokeni
     # digits are copied by position inside the column lines; the scaffolding is not copied
     for text in list("0123456789") + [" 7", "\n", ":", "**", " file", " column", " carry"]:
         assert not pool & set(tok.encode_text(text)), text
+
+
+def test_copy_words_only_leaves_out_the_single_letters(tok: Tokenizer) -> None:
+    """--copy-words-only: the same pool less every letter that is not itself a task word."""
+    full, words = set(train.task_copy_pool(tok)), set(train.task_copy_pool(tok, letters=False))
+    assert words < full
+    kept = set(tasks.sentence_words()) | {w for label in tasks.DOC_LABELS for w in label.split()}
+    for text in [" " + w for w in tasks.sentence_words() if len(w) > 2]:
+        (i,) = tok.encode_text(text)
+        assert i in words, text
+    for letter in tasks.LETTERS:
+        if letter in kept or letter.upper() in kept:
+            continue
+        for text in (letter, " " + letter):
+            ids = tok.encode_text(text)
+            assert len(ids) != 1 or ids[0] not in words, text
+    for i in full - words:          # only single letters were dropped
+        piece = tok.token_bytes(i).strip()
+        assert len(piece) == 1 and piece.isalpha(), piece

@@ -18,6 +18,7 @@ from k3chat.demo import train
     (["--copy-mix", "8", "--steps", "10", "--copy-mix-from", "10"], "must be below --steps (10)"),
     (["--copy-mix-until", "-1"], "--copy-mix-until must be >= 0"),
     (["--copy-mix-until", "500"], "--copy-mix-until needs --copy-mix ROWS"),
+    (["--copy-words-only"], "--copy-words-only needs --copy-mix ROWS"),
     (["--copy-mix-from", "5", "--copy-mix-until", "9"], "--copy-mix-from and --copy-mix-until need --copy-mix"),
     (["--copy-mix", "8", "--copy-mix-until", "1501"], "--copy-mix-until must be above --copy-mix-from (0) and at most --steps (1500)"),
     (["--copy-mix", "8", "--copy-mix-from", "40", "--copy-mix-until", "40"], "above --copy-mix-from (40)"),
