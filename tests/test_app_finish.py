@@ -371,7 +371,10 @@ def test_quit_stays_in_the_footer_at_80_columns_and_a_keys_remap_moves_it(
     async def scenario() -> None:
         async with app.run_test(size=(80, 30)) as pilot:
             await started(pilot)
-            await pilot.pause(0.2)
+            # the footer is laid out after the model opens; on a loaded CI machine a fixed
+            # 0.2 s pause saw none, so wait for it (up to the usual 30 s)
+            await until(pilot, lambda: any("palette" in ln for ln in screen_text(app).splitlines()),
+                        "the footer")
             footers.extend(ln for ln in screen_text(app).splitlines() if "palette" in ln)
             await pilot.press(quit_key)
             await until(pilot, lambda: not app.is_running, "the quit")
