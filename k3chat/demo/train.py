@@ -253,9 +253,15 @@ def task_copy_pool(tok: Any, letters: bool = True) -> list[int]:
 # --------------------------------------------------------------------------- training
 
 
+def cosine_factor(frac: float, final_lr: float) -> float:
+    """The schedule's share of the peak lr at ``frac`` (0..1) of the task steps: 1 down to ``final_lr``."""
+    return final_lr + (1 - final_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
-          copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False) -> dict[str, Any]:
+          copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
+          final_lr: float = 0.1) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -323,11 +329,11 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         if step < copy_warmup:            # warm up the learning rate, then hold it
             cur_lr = lr * min(1.0, (step + 1) / 50)
             ids, target = copy_warmup_batch(torch, warm_rng, pool, bos, sep, pad)
-        else:                             # cosine from lr to lr/10 over the task steps
+        else:                             # cosine from lr to lr * final_lr over the task steps
             j = step - copy_warmup
             frac = j / max(1, steps - 1)
             ramp = 1.0 if copy_warmup else min(1.0, (j + 1) / warmup)
-            cur_lr = lr * ramp * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            cur_lr = lr * ramp * cosine_factor(frac, final_lr)
             ids, target = collate(torch, seqs, batches[j], pad)
         for g in opt.param_groups:
             g["lr"] = cur_lr
@@ -368,7 +374,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     export(model, out, seed)
     meta = {
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
-        "lr": lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
+        "lr": lr, "final_lr": final_lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
         "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
         "copy_words_only": copy_words_only,
         "copy_steps": len(copy_history),
@@ -527,6 +533,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--final-lr", type=float, default=0.1, metavar="FRACTION",
+                    help="the cosine schedule ends at --lr times FRACTION (default 0.1, as the "
+                         "shipped demo was trained; a lower one is an experiment)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tie-embeddings", action="store_true",
                     help="train the embedding and lm_head as one matrix, exported as K3's two tensors "
@@ -577,6 +586,8 @@ def main(argv: Sequence[str]) -> int:
                    f"--steps ({args.steps})")
     weights, why = parse_mix(args.mix)
     bad += why
+    if not 0 <= args.final_lr <= 1:
+        bad.append(f"--final-lr must be a fraction of --lr from 0 to 1, not {args.final_lr}")
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
@@ -589,7 +600,7 @@ def main(argv: Sequence[str]) -> int:
                          batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
                          tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
                          copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
-                         copy_mix_until=args.copy_mix_until)
+                         copy_mix_until=args.copy_mix_until, final_lr=args.final_lr)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
