@@ -23,6 +23,9 @@ from k3chat.demo import train
     (["--copy-mix", "8", "--copy-mix-until", "1501"], "--copy-mix-until must be above --copy-mix-from (0) and at most --steps (1500)"),
     (["--copy-mix", "8", "--copy-mix-from", "40", "--copy-mix-until", "40"], "above --copy-mix-from (40)"),
     (["--lr", "0"], "--lr must be > 0"),
+    (["--final-lr", "1.5"], "--final-lr must be a fraction of --lr from 0 to 1, not 1.5"),
+    (["--final-lr", "-0.01"], "--final-lr must be a fraction"),
+    (["--final-lr", "nan"], "--final-lr must be a fraction"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,3 +54,17 @@ def test_a_bad_task_mix_is_refused(mix: str, said: str, tmp_path: Path, capsys: 
 def test_a_task_mix_parses_to_weights() -> None:
     assert train.parse_mix("add_3d=0.12, count=0.14") == ((("add_3d", 0.12), ("count", 0.14)), [])
     assert train.parse_mix("") == ((), [])
+
+
+def test_the_schedule_ends_at_the_final_fraction_and_its_default_is_the_shipped_runs() -> None:
+    import math
+
+    for final in (0.1, 0.01, 0.0):
+        assert train.cosine_factor(0.0, final) == 1.0
+        assert abs(train.cosine_factor(1.0, final) - final) < 1e-15
+        assert abs(train.cosine_factor(0.5, final) - (1 + final) / 2) < 1e-15
+    # the shipped demo was trained with lr * (0.1 + 0.9 * half-cosine): the default keeps every step's
+    # factor bit for bit, so the documented retrain command still gives the shipped model
+    for j in range(1500):
+        frac = j / 1499
+        assert train.cosine_factor(frac, 0.1) == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
