@@ -298,3 +298,23 @@ def test_count_decisions_write_a_verdict_on_every_spelled_line() -> None:
     assert seen_no_match
     # the default text (the shipped model's) writes the bare letter and marks only matches
     assert tasks._letter_lines("beetle", "e") == "b\ne (1)\ne (2)\nt\nl\ne (3)"
+
+
+def test_count_letter_alone_writes_the_letter_on_its_own_line_as_the_spelled_letters_are() -> None:
+    """The counted letter gets a line of its own before the spelling, so its id is the spelled
+    letters' (after a newline), not the question's " c"; the spelled block is the default's."""
+    rng = random.Random(22)
+    with tasks.text_style(tasks.TextStyle(count_letter_alone=True)):
+        for _ in range(200):
+            _, make = tasks.count_letter(rng)
+            t = make()
+            c, w = _count_question(t.question)
+            want = [f"{ch} ({w[:i + 1].count(c)})" if ch == c else ch for i, ch in enumerate(w)]
+            for effort, text in t.reasoning.items():
+                lines = text.splitlines()
+                assert lines[:3] == ["Count this letter:", c, f"Spell {w}:"], (effort, text)
+                assert lines[3:3 + len(w)] == want, (effort, text)
+            assert t.reasoning["low"].endswith(f"So {w.count(c)}.")
+    with tasks.text_style(tasks.TextStyle()):
+        _, make = tasks.count_letter(random.Random(22))
+        assert make().reasoning["low"].startswith("Spell ")      # the default header is unchanged

@@ -51,6 +51,9 @@ class TextStyle:
     # counting writes a decision on every spelled line ("c: no", "r: yes (2)"), so marking a
     # letter is never an optional insertion into a run that copies the word letter by letter
     count_decisions: bool = False
+    # counting first writes the letter alone on its line ("Count this letter:\na\n"), the very
+    # id the spelled lines use, so marking it is matching one id, not " a" against "a"
+    count_letter_alone: bool = False
 
 
 _STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
@@ -426,7 +429,8 @@ def count_letter(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         spelled = _letter_lines(w, c)
         # Every effort starts with the same header and spelled block, so all four modes train
         # the one mechanism; the efforts differ in how much they say after it.
-        core = f"Spell {w}, count {c}:\n{spelled}\n"
+        core = (f"Count this letter:\n{c}\nSpell {w}:\n{spelled}\n" if _STYLE.get().count_letter_alone
+                else f"Spell {w}, count {c}:\n{spelled}\n")
         reasoning = {
             "low": core + f"So {n}.",
             "high": core + f"The letter {c} appears {times}.",

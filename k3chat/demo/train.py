@@ -381,6 +381,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         # the training text's options (TextStyle; the defaults are the shipped demo's text)
         "sign_by_places": tasks.current_style().sign_by_places, "mix": dict(tasks.current_style().weights),
         "count_decisions": tasks.current_style().count_decisions,
+        "count_letter_alone": tasks.current_style().count_letter_alone,
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
@@ -563,6 +564,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--count-decisions", action="store_true",
                     help="training text: counting says on every spelled line whether its letter is "
                          "the one counted (\"a: no\", \"r: yes (2)\"), an experiment")
+    ap.add_argument("--count-letter-alone", action="store_true",
+                    help="training text: counting first writes the letter to count alone on its line, "
+                         "the same id as the spelled letters (an experiment)")
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
@@ -593,7 +597,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     out = Path(args.out)
     style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights,
-                            count_decisions=args.count_decisions)
+                            count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone)
     if not args.record_only:
         with tasks.text_style(style):
             meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
