@@ -53,8 +53,9 @@ def test_demo_answers_streams_reasoning_and_follows_up(home: Path) -> None:
         async with app.run_test(size=(150, 45)) as pilot:
             await until(pilot, lambda: app.ready, "the demo model to open")
             assert app.engine.name == "k3chat demo"
-            screen = "\n".join(strip.text for strip in app.screen._compositor.render_strips())
-            assert "Built-in demo model" in screen      # the banner says what this is
+            # the banner is drawn after the model opens: on a loaded machine not yet at `ready`
+            await until(pilot, lambda: "Built-in demo model" in "\n".join(
+                strip.text for strip in app.screen._compositor.render_strips()), "the banner to say what this is")
             real = app.chat.turn_event
 
             async def spy(event: Any, **kw: Any) -> None:
