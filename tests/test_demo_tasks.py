@@ -318,3 +318,29 @@ def test_count_letter_alone_writes_the_letter_on_its_own_line_as_the_spelled_let
     with tasks.text_style(tasks.TextStyle()):
         _, make = tasks.count_letter(random.Random(22))
         assert make().reasoning["low"].startswith("Spell ")      # the default header is unchanged
+
+
+def test_count_decision_positions_are_the_ids_after_each_spelled_letter(demo_tok: Tokenizer) -> None:
+    """--count-weight weighs these ids: after each spelled letter of a counting turn, " (" where
+    the letter is the one asked for and a newline elsewhere. The letters are read back from
+    the ids and checked against the word and letter the question names (regex), not against
+    the generator's own lines; conversations without counting have none."""
+    tok = demo_tok
+    rng = random.Random(31)
+    seen_count = seen_other = 0
+    while seen_count < 40 or seen_other < 20:
+        conv = tasks.training_conversation(rng)
+        ids, mask = corpus.encode_conversation(conv, tok)
+        pos = corpus.count_decision_positions(conv, tok)
+        counting = [t for t in conv.turns if t.task == "count"]
+        if not counting:
+            assert pos == []
+            seen_other += 1
+            continue
+        seen_count += 1
+        asked = [_count_question(t.question.splitlines()[-1]) for t in counting]
+        assert [tok.decode([ids[k - 1]]) for k in pos] == list("".join(w for _, w in asked)), conv.mode
+        marks = [tok.decode([ids[k]]) for k in pos]
+        want = [" (" if ch == c else "\n" for c, w in asked for ch in w]
+        assert marks == want, (conv.mode, marks)
+        assert all(mask[k] for k in pos)                 # only ids the model is trained to write

@@ -26,6 +26,9 @@ from k3chat.demo import train
     (["--final-lr", "1.5"], "--final-lr must be a fraction of --lr from 0 to 1, not 1.5"),
     (["--final-lr", "-0.01"], "--final-lr must be a fraction"),
     (["--final-lr", "nan"], "--final-lr must be a fraction"),
+    (["--count-weight", "0.5"], "--count-weight must be from 1 to 1000, not 0.5"),
+    (["--count-weight", "nan"], "--count-weight must be from 1 to 1000, not nan"),
+    (["--count-weight", "1e9"], "--count-weight must be from 1 to 1000"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

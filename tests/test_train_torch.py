@@ -283,3 +283,29 @@ def test_copy_mix_until_leaves_the_steps_after_it_to_the_tasks(tmp_path: Path) -
     written = json.loads((tmp_path / "mix4" / "training.json").read_text())
     assert written["copy_steps"] == 1
     assert meta[4]["loss_every_50"] != meta[0]["loss_every_50"]
+
+
+def test_count_weight_weighs_only_the_decisions_and_logs_the_plain_loss(tmp_path: Path) -> None:
+    """decision_weights puts W where collate puts the target of a decision id (one position
+    before it) and 1 elsewhere; a one-step run logs the same (unweighted) loss with and
+    without --count-weight, while its update, and so the weights written, differ."""
+    import json
+
+    from k3chat.demo.train import collate, decision_weights, train
+
+    seqs = [([5, 6, 7, 8, 9], [False, True, True, True, True]), ([5, 6, 7], [False, True, True])]
+    w = decision_weights(torch, seqs, [1, 0], [[3], [2]], 4.0)
+    _, target = collate(torch, seqs, [1, 0], 0)
+    assert w.shape == target.shape
+    assert w[0].tolist() == [1.0, 4.0, 1.0, 1.0, 1.0] and target[0, 1] == 7      # seq 1's id 2
+    assert w[1].tolist() == [1.0, 1.0, 4.0, 1.0, 1.0] and target[1, 2] == 8      # seq 0's id 3
+
+    meta, weights = {}, {}
+    for cw in (1.0, 20.0):
+        out = tmp_path / f"cw{cw:g}"
+        meta[cw] = train(out, steps=1, seed=5, conversations=120, batch_tokens=8192, lr=1e-3, threads=1,
+                         resume=False, count_weight=cw)
+        assert json.loads((out / "training.json").read_text())["count_weight"] == cw
+        weights[cw] = {p.name: p.read_bytes() for p in sorted(out.glob("model-*.safetensors"))}
+    assert abs(meta[1.0]["final_loss"] - meta[20.0]["final_loss"]) < 1e-5
+    assert weights[1.0].keys() == weights[20.0].keys() and weights[1.0] != weights[20.0]

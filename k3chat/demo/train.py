@@ -184,6 +184,18 @@ def collate(torch: Any, seqs: list[tuple[list[int], list[bool]]], idx: list[int]
     return ids, target
 
 
+def decision_weights(torch: Any, seqs: list[tuple[list[int], list[bool]]], idx: list[int],
+                     positions: list[list[int]], weight: float) -> Any:
+    """Per-target loss weights for a batch laid out as ``collate`` lays it: ``weight`` where
+    the target is a counting decision (an id index in ``positions``), 1 elsewhere."""
+    t = max(len(seqs[i][0]) for i in idx)
+    w = torch.ones((len(idx), t), dtype=torch.float32)
+    for r, i in enumerate(idx):
+        for k in positions[i]:
+            w[r, k - 1] = weight                            # id k is predicted at position k-1
+    return w
+
+
 COPY_WARMUP_SEQS = 48          # sequences per warm-up step
 
 
@@ -261,7 +273,7 @@ def cosine_factor(frac: float, final_lr: float) -> float:
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
-          final_lr: float = 0.1) -> dict[str, Any]:
+          final_lr: float = 0.1, count_weight: float = 1.0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -282,6 +294,10 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     _log(f"data: {len(seqs):,} conversations, {n_tok:,} tokens ({n_trained:,} trained) "
          f"({time.time() - t0:.1f} s)")
     pad = tok.special_id("[PAD]")
+    decisions: list[list[int]] = []
+    if count_weight != 1.0:      # (at 1 the loss is the plain mean, the shipped run's bit for bit)
+        decisions = [corpus.count_decision_positions(c, tok) for c in convs]
+        _log(f"count weight {count_weight}: {sum(map(len, decisions)):,} counting decisions weighted")
 
     model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings)
     decay, plain, seen = [], [], set()
@@ -340,8 +356,16 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         loads: list[Any] = []
         scored = target != -100
         logits = model(ids, loads, rows=scored)
-        loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
-        task_loss = float(loss.detach())
+        if decisions and step >= copy_warmup:
+            # each decision weighs count_weight ids; the mean is still over the ids, so the
+            # rest of the text keeps the gradient it has without the weight
+            per_id = torch.nn.functional.cross_entropy(logits.float(), target[scored], reduction="none")
+            w = decision_weights(torch, seqs, batches[step - copy_warmup], decisions, count_weight)[scored]
+            loss = (per_id * w).sum() / per_id.numel()
+            task_loss = float(per_id.detach().mean())
+        else:
+            loss = torch.nn.functional.cross_entropy(logits.float(), target[scored])
+            task_loss = float(loss.detach())
         if copy_mix and copy_mix_from <= step - copy_warmup < (copy_mix_until or steps):
             # a separate forward: routing loads (and so the router biases) follow the task batch;
             # before copy_mix_from the run is the plain run's, bit for bit (its own rng)
@@ -376,7 +400,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
         "lr": lr, "final_lr": final_lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
         "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
-        "copy_words_only": copy_words_only,
+        "copy_words_only": copy_words_only, "count_weight": count_weight,
         "copy_steps": len(copy_history),
         # the training text's options (TextStyle; the defaults are the shipped demo's text)
         "sign_by_places": tasks.current_style().sign_by_places, "mix": dict(tasks.current_style().weights),
@@ -570,6 +594,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
+    ap.add_argument("--count-weight", type=float, default=1.0, metavar="W",
+                    help="the loss on each counting decision (the id after a spelled letter: its "
+                         "mark or its newline) weighs W ids (default 1; an experiment)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -592,6 +619,8 @@ def main(argv: Sequence[str]) -> int:
     bad += why
     if not 0 <= args.final_lr <= 1:
         bad.append(f"--final-lr must be a fraction of --lr from 0 to 1, not {args.final_lr}")
+    if not 1 <= args.count_weight <= 1000:
+        bad.append(f"--count-weight must be from 1 to 1000, not {args.count_weight}")
     if bad or not args.lr > 0:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
@@ -604,7 +633,8 @@ def main(argv: Sequence[str]) -> int:
                          batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
                          tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
                          copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
-                         copy_mix_until=args.copy_mix_until, final_lr=args.final_lr)
+                         copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
+                         count_weight=args.count_weight)
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
