@@ -309,3 +309,86 @@ def test_count_weight_weighs_only_the_decisions_and_logs_the_plain_loss(tmp_path
         weights[cw] = {p.name: p.read_bytes() for p in sorted(out.glob("model-*.safetensors"))}
     assert abs(meta[1.0]["final_loss"] - meta[20.0]["final_loss"]) < 1e-5
     assert weights[1.0].keys() == weights[20.0].keys() and weights[1.0] != weights[20.0]
+
+
+def _interrupt_after_state_saves(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Save train_state.pt after every step and stop the run (as Ctrl-C would) right after the
+    n-th save has been written and closed."""
+    import contextlib
+
+    from k3chat.demo import train as train_mod
+
+    real_open, saves = train_mod.open_private, []
+
+    @contextlib.contextmanager
+    def open_then_stop(path: Path):  # type: ignore[no-untyped-def]
+        with real_open(path) as fh:
+            yield fh
+        saves.append(path)
+        if len(saves) == n:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "STATE_EVERY", 1)
+    monkeypatch.setattr(train_mod, "open_private", open_then_stop)
+
+
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after step 2 of 3 and resumed with the same options, a run writes the weights
+    an uninterrupted run writes, bit for bit, and training.json says where it resumed."""
+    import json
+
+    from k3chat.demo.train import train
+
+    opts = dict(steps=3, seed=5, conversations=30, batch_tokens=256, lr=1e-3, threads=1)
+    train(tmp_path / "whole", resume=False, **opts)
+    with monkeypatch.context() as m:
+        _interrupt_after_state_saves(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train(tmp_path / "cut", resume=False, **opts)
+    assert (tmp_path / "cut" / "train_state.pt").exists()
+    assert not list((tmp_path / "cut").glob("model-*.safetensors"))
+    meta = train(tmp_path / "cut", resume=True, **opts)
+    assert meta["resumed_at"] == 2
+    assert json.loads((tmp_path / "cut" / "training.json").read_text())["resumed_at"] == 2
+    whole = json.loads((tmp_path / "whole" / "training.json").read_text())
+    assert whole["resumed_at"] is None and whole["loss_every_50"] == meta["loss_every_50"]
+    shards = sorted(p.name for p in (tmp_path / "whole").glob("model-*.safetensors"))
+    assert shards and shards == sorted(p.name for p in (tmp_path / "cut").glob("model-*.safetensors"))
+    for name in shards:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
+    assert not (tmp_path / "cut" / "train_state.pt").exists()
+
+
+def test_resume_refuses_another_recipe_a_missing_state_and_a_damaged_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume continues only the run that was interrupted: other options (here --steps and
+    the training text's --sign-by-places) are named and refused, exit 2, before any data is
+    made; so are a directory without a state and a state that is not one."""
+    from k3chat.demo.train import main, train
+
+    out = tmp_path / "cut"
+    with monkeypatch.context() as m:
+        _interrupt_after_state_saves(m, 1)
+        with pytest.raises(KeyboardInterrupt):
+            train(out, steps=3, seed=5, conversations=30, batch_tokens=256, lr=1e-3, threads=1, resume=False)
+    state = (out / "train_state.pt").read_bytes()
+    base = ["--out", str(out), "--seed", "5", "--conversations", "30", "--batch-tokens", "256",
+            "--lr", "1e-3", "--threads", "1", "--resume"]
+
+    assert main([*base, "--steps", "4", "--sign-by-places"]) == 2
+    err = capsys.readouterr().err
+    assert "saved at step 1" in err and "steps 3 -> 4" in err and "sign_by_places False -> True" in err
+    assert "seed" not in err.split("options (")[1]             # only what differs is named
+    assert (out / "train_state.pt").read_bytes() == state    # and the state is left as it was
+
+    assert main(["--out", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "there is no train_state.pt" in capsys.readouterr().err
+
+    (out / "train_state.pt").write_bytes(state[: len(state) // 2])
+    assert main([*base, "--steps", "3"]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+    torch.save({"model": {}, "step": 1}, out / "train_state.pt")
+    assert main([*base, "--steps", "3"]) == 2
+    assert "has no opt, history, recipe" in capsys.readouterr().err

@@ -270,6 +270,52 @@ def cosine_factor(frac: float, final_lr: float) -> float:
     return final_lr + (1 - final_lr) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+STATE_EVERY = 100   # steps between saves of train_state.pt (what --resume continues from)
+
+
+class ResumeRefused(ValueError):
+    """``--resume`` cannot continue this run: no state, an unreadable one, or another recipe."""
+
+
+def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
+               tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
+               copy_words_only: bool, count_weight: float) -> dict[str, Any]:
+    """Everything that shapes a run's data, schedule and loss (not ``--threads``, which only
+    changes the rounding), with the training text's options (TextStyle)."""
+    style = tasks.current_style()
+    return {"seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
+            "lr": lr, "final_lr": final_lr, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
+            "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
+            "copy_words_only": copy_words_only, "count_weight": count_weight,
+            "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
+            "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone}
+
+
+def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
+    """The saved state to continue from, refused when it cannot give the run asked for: a run
+    resumed with other options would silently become a mix of two recipes."""
+    if not state_path.exists():
+        raise ResumeRefused(f"--resume: there is no {state_path.name} in {state_path.parent} to continue "
+                            "from (an interrupted run leaves one; run without --resume to start afresh)")
+    try:
+        st = torch.load(state_path, weights_only=False)
+    except Exception as exc:  # torch.load raises many kinds on a damaged or foreign file
+        raise ResumeRefused(f"--resume: {state_path} cannot be read ({type(exc).__name__}: {exc}); "
+                            "run without --resume to start afresh") from exc
+    missing = [k for k in ("model", "opt", "step", "history", "recipe")
+               if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise ResumeRefused(f"--resume: {state_path} has no {', '.join(missing)}: it was written by an "
+                            "older k3chat or is not a training state; run without --resume to start afresh")
+    saved, step = st["recipe"] if isinstance(st["recipe"], dict) else {}, st["step"]
+    differ = [f"{k} {saved.get(k)!r} -> {recipe[k]!r}" for k in recipe if saved.get(k) != recipe[k]]
+    if differ:
+        raise ResumeRefused(f"--resume: {state_path} was saved at step {step} of a run with other options "
+                            f"({'; '.join(differ)}); give the interrupted run's options, or start afresh "
+                            "in another --out")
+    return st
+
+
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
@@ -278,6 +324,12 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     from k3engine.train.model import K3Torch
 
     torch = require_torch()
+    recipe = run_recipe(steps=steps, seed=seed, conversations=conversations, batch_tokens=batch_tokens,
+                        lr=lr, final_lr=final_lr, tie_embeddings=tie_embeddings, copy_warmup=copy_warmup,
+                        copy_mix=copy_mix, copy_mix_from=copy_mix_from, copy_mix_until=copy_mix_until,
+                        copy_words_only=copy_words_only, count_weight=count_weight)
+    state_path = out / "train_state.pt"
+    resumed = load_resume_state(torch, state_path, recipe) if resume else None
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     make_private_dirs(out)
@@ -313,13 +365,11 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             plain.append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    state_path = out / "train_state.pt"
     start_step, history = 0, []
-    if resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        start_step, history = st["step"], st["history"]
+    if resumed is not None:
+        model.load_state_dict(resumed["model"])
+        opt.load_state_dict(resumed["opt"])
+        start_step, history = resumed["step"], resumed["history"]
         _log(f"resumed at step {start_step}")
 
     batch_rng = random.Random(seed + 1)
@@ -390,22 +440,15 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             copy_note = f" copy {sum(copy_history[-20:]) / len(copy_history[-20:]):.4f}" if copy_history else ""
             _log(f"step {step:5d}/{total} loss {recent:.4f}{copy_note} lr {cur_lr:.2e} {el:7.0f} s "
                  f"({(step + 1 - start_step) / max(el, 1e-9):.2f} step/s)")
-        if (step + 1) % 100 == 0 or step == total - 1:
+        if (step + 1) % STATE_EVERY == 0 or step == total - 1:
             with open_private(state_path) as fh:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "step": step + 1, "history": history}, fh)
+                            "step": step + 1, "history": history, "recipe": recipe}, fh)
     train_seconds = time.time() - t_train
     export(model, out, seed)
     meta = {
-        "seed": seed, "steps": steps, "conversations": conversations, "batch_tokens": batch_tokens,
-        "lr": lr, "final_lr": final_lr, "threads": threads, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
-        "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
-        "copy_words_only": copy_words_only, "count_weight": count_weight,
+        **recipe, "threads": threads, "resumed_at": start_step if resumed is not None else None,
         "copy_steps": len(copy_history),
-        # the training text's options (TextStyle; the defaults are the shipped demo's text)
-        "sign_by_places": tasks.current_style().sign_by_places, "mix": dict(tasks.current_style().weights),
-        "count_decisions": tasks.current_style().count_decisions,
-        "count_letter_alone": tasks.current_style().count_letter_alone,
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
         "train_seconds": round(train_seconds, 1),
@@ -628,13 +671,18 @@ def main(argv: Sequence[str]) -> int:
     style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights,
                             count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone)
     if not args.record_only:
-        with tasks.text_style(style):
-            meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
-                         batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads, resume=args.resume,
-                         tie_embeddings=args.tie_embeddings, copy_warmup=args.copy_warmup,
-                         copy_mix=args.copy_mix, copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
-                         copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
-                         count_weight=args.count_weight)
+        try:
+            with tasks.text_style(style):
+                meta = train(out, steps=args.steps, seed=args.seed, conversations=args.conversations,
+                             batch_tokens=args.batch_tokens, lr=args.lr, threads=args.threads,
+                             resume=args.resume, tie_embeddings=args.tie_embeddings,
+                             copy_warmup=args.copy_warmup, copy_mix=args.copy_mix,
+                             copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
+                             copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
+                             count_weight=args.count_weight)
+        except ResumeRefused as exc:
+            print(f"k3chat train-demo: {exc}", file=sys.stderr)
+            return 2
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
     n = record_prompts(out)
     _log(f"recorded {n} prompts in {out / 'prompts.jsonl'}")
