@@ -14,13 +14,13 @@ from k3chat.demo import train
     (["--steps", "0"], "--steps must be >= 1"),
     (["--copy-mix-from", "-1"], "--copy-mix-from must be >= 0"),
     (["--copy-mix-from", "100"], "--copy-mix-from needs --copy-mix ROWS"),
-    (["--copy-mix", "8", "--copy-mix-from", "1500"], "--copy-mix-from must be below --steps (1500)"),
+    (["--copy-mix", "8", "--copy-mix-from", "2500"], "--copy-mix-from must be below --steps (2500)"),
     (["--copy-mix", "8", "--steps", "10", "--copy-mix-from", "10"], "must be below --steps (10)"),
     (["--copy-mix-until", "-1"], "--copy-mix-until must be >= 0"),
     (["--copy-mix-until", "500"], "--copy-mix-until needs --copy-mix ROWS"),
     (["--copy-words-only"], "--copy-words-only needs --copy-mix ROWS"),
     (["--copy-mix-from", "5", "--copy-mix-until", "9"], "--copy-mix-from and --copy-mix-until need --copy-mix"),
-    (["--copy-mix", "8", "--copy-mix-until", "1501"], "--copy-mix-until must be above --copy-mix-from (0) and at most --steps (1500)"),
+    (["--copy-mix", "8", "--copy-mix-until", "2501"], "--copy-mix-until must be above --copy-mix-from (0) and at most --steps (2500)"),
     (["--copy-mix", "8", "--copy-mix-from", "40", "--copy-mix-until", "40"], "above --copy-mix-from (40)"),
     (["--lr", "0"], "--lr must be > 0"),
     (["--final-lr", "1.5"], "--final-lr must be a fraction of --lr from 0 to 1, not 1.5"),
@@ -68,6 +68,6 @@ def test_the_schedule_ends_at_the_final_fraction_and_its_default_is_the_shipped_
         assert abs(train.cosine_factor(0.5, final) - (1 + final) / 2) < 1e-15
     # the shipped demo was trained with lr * (0.1 + 0.9 * half-cosine): the default keeps every step's
     # factor bit for bit, so the documented retrain command still gives the shipped model
-    for j in range(1500):
-        frac = j / 1499
+    for j in range(2500):
+        frac = j / 2499
         assert train.cosine_factor(frac, 0.1) == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))

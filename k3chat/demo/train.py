@@ -596,7 +596,7 @@ def parse_mix(text: str) -> tuple[tuple[tuple[str, float], ...], list[str]]:
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="k3chat train-demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--batch-tokens", type=int, default=4096)
