@@ -82,7 +82,7 @@ def test_the_table_and_the_json_carry_each_tasks_interval(capsys: pytest.Capture
 
 def test_failures_list_every_wrong_answer_and_only_those(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "eval.json"
-    # repeat: the shipped demo gets it wrong (README); add_1d: it gets it right
+    # repeat: the shipped demo gets most of it wrong (README: about one in three right); add_1d: all right
     assert evaluate.main(["--n", "2", "--tasks", "repeat,add_1d", "--modes", "low,off", "--failures",
                           "--json", str(out)]) == 0
     result = json.loads(out.read_text())
