@@ -320,6 +320,36 @@ def test_count_letter_alone_writes_the_letter_on_its_own_line_as_the_spelled_let
         assert make().reasoning["low"].startswith("Spell ")      # the default header is unchanged
 
 
+def test_doc_labels_first_names_the_asked_labels_before_quoting_the_file() -> None:
+    """With --doc-labels-first a question about a file is answered by first naming the labels
+    it asks for (as the question writes them, when it does) and then the file's lines with
+    those labels; the question, the answer and the default text are unchanged."""
+    named = generic = 0
+    for style in (tasks.TextStyle(), tasks.TextStyle(doc_labels_first=True)):
+        rng = random.Random(23)
+        for _ in range(200):
+            with tasks.text_style(style):
+                _, make = tasks.document(rng)
+                t = make()
+            q = t.question.rsplit("\n", 1)[-1]         # the question follows the attached file
+            for effort, text in t.reasoning.items():
+                lines = text.splitlines()
+                if not style.doc_labels_first:
+                    assert lines[0] == "The lines in the file" and "asks for" not in text, text
+                    continue
+                assert lines[1] == "The lines in the file", (effort, text)
+                quoted = [re.split(r"[,:]", line.removeprefix("- "))[0] for line in lines[2:4]]
+                m = re.fullmatch(r"The question asks for (.+) and (.+)\.", lines[0])
+                if m:
+                    named += 1
+                    assert list(m.groups()) == quoted and all(label in q for label in quoted), (q, text)
+                else:
+                    generic += 1
+                    assert lines[0] == "The question asks for the two numbers in the file.", text
+                    assert not any(label in q for label in tasks.DOC_LABELS), (q, text)
+    assert named and generic
+
+
 def test_count_decision_positions_are_the_ids_after_each_spelled_letter(demo_tok: Tokenizer) -> None:
     """--count-weight weighs these ids: after each spelled letter of a counting turn, " (" where
     the letter is the one asked for and a newline elsewhere. The letters are read back from

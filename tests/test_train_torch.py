@@ -385,6 +385,20 @@ def test_resume_refuses_another_recipe_a_missing_state_and_a_damaged_one(
     assert main(["--out", str(tmp_path / "empty"), "--resume"]) == 2
     assert "there is no train_state.pt" in capsys.readouterr().err
 
+    # a state saved before --doc-labels-first existed has no such key: it was a run without it
+    from k3chat.demo.train import load_resume_state, run_recipe
+    old = torch.load(out / "train_state.pt", weights_only=False)
+    del old["recipe"]["doc_labels_first"]
+    torch.save(old, out / "train_state.pt")
+    recipe = dict(old["recipe"], doc_labels_first=False)
+    assert load_resume_state(torch, out / "train_state.pt", recipe)["step"] == 1
+    assert main([*base, "--steps", "3", "--doc-labels-first"]) == 2
+    assert "doc_labels_first False -> True" in capsys.readouterr().err
+    assert set(recipe) == set(run_recipe(steps=3, seed=5, conversations=30, batch_tokens=256, lr=1e-3,
+                                         final_lr=0.1, tie_embeddings=False, copy_warmup=0, copy_mix=0,
+                                         copy_mix_from=0, copy_mix_until=0, copy_words_only=False,
+                                         count_weight=1.0))
+
     (out / "train_state.pt").write_bytes(state[: len(state) // 2])
     assert main([*base, "--steps", "3"]) == 2
     assert "cannot be read" in capsys.readouterr().err

@@ -55,6 +55,10 @@ class TextStyle:
     # id the spelled lines use, so marking it is matching one id, not " a" against "a"
     # (measured: it did not help, counting 11%; README's train-demo row)
     count_letter_alone: bool = False
+    # a question about a file first says which labels it asks for, copied from the question
+    # (the shipped demo quotes a wrong label, "Team A", in all its wrong answers about a file),
+    # and only then quotes the file's lines with those labels
+    doc_labels_first: bool = False
 
 
 _STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
@@ -684,11 +688,15 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     def make() -> Turn:
         # "the two numbers" only when there are two; "the first" only when it is the first
         generic = len(rows) == 2 and (op == "+" or (i, j) == (0, 1))
-        q = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q]).format(name=name, x=x, y=y)
+        template = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q])
+        q = template.format(name=name, x=x, y=y)
         # The two lines are quoted as the file has them, each after a newline of its own (as
         # in the file): the same ids, label and number, in the reasoning and in the answer.
         quoted = f"{_doc_line(name, x, a)}\n{_doc_line(name, y, b)}"
         lead = f"The lines in the file\n{quoted}\nSo {a} {op} {b}."
+        if _STYLE.get().doc_labels_first:
+            asks = f"{x} and {y}" if "{x}" in template else "the two numbers in the file"
+            lead = f"The question asks for {asks}.\n{lead}"
         reasoning, r, off = _arith_reasoning(a, op, b, lead=lead)
         block = f"```text\n{quoted}\n```"     # "```text": the first line's newline is an id of its own
         resp = f"{block}\n\n{a} {op} {b} = **{r}**."

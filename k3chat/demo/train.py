@@ -277,6 +277,10 @@ class ResumeRefused(ValueError):
     """``--resume`` cannot continue this run: no state, an unreadable one, or another recipe."""
 
 
+# recipe keys newer than some saved states, with the value every run before them had
+RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False}
+
+
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
                tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
                copy_words_only: bool, count_weight: float) -> dict[str, Any]:
@@ -288,7 +292,8 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
             "copy_words_only": copy_words_only, "count_weight": count_weight,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
-            "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone}
+            "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
+            "doc_labels_first": style.doc_labels_first}
 
 
 def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +313,8 @@ def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> d
         raise ResumeRefused(f"--resume: {state_path} has no {', '.join(missing)}: it was written by an "
                             "older k3chat or is not a training state; run without --resume to start afresh")
     saved, step = st["recipe"] if isinstance(st["recipe"], dict) else {}, st["step"]
+    # a state saved before an option existed was saved without it, that is, with it off
+    saved = {**RECIPE_KEYS_ADDED_LATER, **saved}
     differ = [f"{k} {saved.get(k)!r} -> {recipe[k]!r}" for k in recipe if saved.get(k) != recipe[k]]
     if differ:
         raise ResumeRefused(f"--resume: {state_path} was saved at step {step} of a run with other options "
@@ -634,6 +641,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--count-letter-alone", action="store_true",
                     help="training text: counting first writes the letter to count alone on its line, "
                          "the same id as the spelled letters (an experiment)")
+    ap.add_argument("--doc-labels-first", action="store_true",
+                    help="training text: a question about a file first says which labels it asks "
+                         "for, copied from the question, then quotes the file's lines (an experiment)")
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
@@ -669,7 +679,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     out = Path(args.out)
     style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights,
-                            count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone)
+                            count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone,
+                            doc_labels_first=args.doc_labels_first)
     if not args.record_only:
         try:
             with tasks.text_style(style):
