@@ -129,7 +129,7 @@ real = Session.feed
 delay = float(sys.argv[1])
 def feed(self, ids, **kw):
     if len(ids) == 1:
-        print("step", file=sys.stderr, flush=True)
+        print("driver: decode step", file=sys.stderr, flush=True)
         time.sleep(delay)
     return real(self, ids, **kw)
 Session.feed = feed
@@ -199,7 +199,7 @@ def test_sighup_acts_as_the_first_ctrl_c_in_run_ids(tiny_dir: Path, tmp_path: Pa
     out = tmp_path / "r.json"
     proc, lines = _driven(tmp_path, tmp_path / "home", 0.2, "-", "run", str(tiny_dir), "--ids", "1,2,3",
                           "--gen", "500", "--threads", "1", "--json", str(out))
-    _wait_for(lines, "step")
+    _wait_for(lines, "driver: decode step")   # not "step": run's own start line says "current step"
     proc.send_signal(signal.SIGHUP)
     err = _finish(proc, lines)
     assert proc.returncode == EXIT_INTERRUPTED, err
@@ -211,7 +211,7 @@ def test_second_ctrl_c_in_run_ids_aborts_the_step_and_still_writes_the_result(ti
     out = tmp_path / "r.json"
     proc, lines = _driven(tmp_path, tmp_path / "home", 0.0, "-", "run", str(tiny_dir), "--ids", "1,2,3",
                           "--gen", "200000", "--threads", "1", "--json", str(out))
-    _wait_for(lines, "step")
+    _wait_for(lines, "driver: decode step")   # not "step": run's own start line says "current step"
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
     err = _finish(proc, lines)
