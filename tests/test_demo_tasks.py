@@ -350,6 +350,23 @@ def test_doc_labels_first_names_the_asked_labels_before_quoting_the_file() -> No
     assert named and generic
 
 
+def test_off_steps_by_place_list_the_reasoning_column_lines_with_thinking_off() -> None:
+    """With --off-steps-by-place a thinking-off sum or difference lists, line for line, the
+    column lines its high reasoning writes; the result line is unchanged, and so is the
+    default text (the compact list)."""
+    for a, op, b in ((836, "-", 308), (32, "-", 61), (815, "+", 904), (7, "+", 5), (100, "-", 1)):
+        r = a + b if op == "+" else a - b
+        reasoning, _, plain = tasks._arith_reasoning(a, op, b)
+        assert "Ones:" not in plain, plain
+        with tasks.text_style(tasks.TextStyle(off_steps_by_place=True)):
+            reasoning2, r2, off = tasks._arith_reasoning(a, op, b)
+        assert reasoning2 == reasoning and r2 == r
+        listed = [ln[2:] for ln in off.splitlines() if ln.startswith("- ")]
+        columns = [ln for ln in reasoning["high"].splitlines() if ln.split(":")[0] in tasks.PLACES]
+        assert columns and [ln for ln in listed if ln.split(":")[0] in tasks.PLACES] == columns, off
+        assert off.endswith(f"{a} {op} {b} = **{r}**.") and plain.endswith(f"{a} {op} {b} = **{r}**.")
+
+
 def test_count_decision_positions_are_the_ids_after_each_spelled_letter(demo_tok: Tokenizer) -> None:
     """--count-weight weighs these ids: after each spelled letter of a counting turn, " (" where
     the letter is the one asked for and a newline elsewhere. The letters are read back from

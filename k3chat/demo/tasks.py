@@ -59,6 +59,10 @@ class TextStyle:
     # (the shipped demo quotes a wrong label, "Team A", in all its wrong answers about a file),
     # and only then quotes the file's lines with those labels
     doc_labels_first: bool = False
+    # a thinking-off answer lists the thinking-on column lines ("Tens: 3 - 5 is below zero, so
+    # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
+    # list ("13 - 5 = 8, borrow 1.") makes that decision with its very first id
+    off_steps_by_place: bool = False
 
 
 _STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
@@ -290,7 +294,7 @@ def _arith_reasoning(a: int, op: str, b: int, *, lead: str = "") -> tuple[dict[s
         "max": lead_sp + "\n".join(p for p in [intro_max, neg_high] + high + [read, tail] if p),
     }
     expr = f"{a} {op} {b}"
-    steps = [p for p in neg_low.split("\n") + low if p]
+    steps = [p for p in neg_low.split("\n") + (high if _STYLE.get().off_steps_by_place else low) if p]
     return reasoning, r, _steps_answer(f"{expr} by columns:", steps, f"{expr} = **{r}**.")
 
 

@@ -278,7 +278,7 @@ class ResumeRefused(ValueError):
 
 
 # recipe keys newer than some saved states, with the value every run before them had
-RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False}
+RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False}
 
 
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
@@ -293,7 +293,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "copy_words_only": copy_words_only, "count_weight": count_weight,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
-            "doc_labels_first": style.doc_labels_first}
+            "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place}
 
 
 def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
@@ -645,6 +645,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--doc-labels-first", action="store_true",
                     help="training text: a question about a file first says which labels it asks "
                          "for, copied from the question, then quotes the file's lines (an experiment)")
+    ap.add_argument("--off-steps-by-place", action="store_true",
+                    help="training text: a thinking-off sum or difference lists the column lines the "
+                         "reasoning writes (place, digits, then the borrow), an experiment")
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
@@ -681,7 +684,8 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.out)
     style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights,
                             count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone,
-                            doc_labels_first=args.doc_labels_first)
+                            doc_labels_first=args.doc_labels_first,
+                            off_steps_by_place=args.off_steps_by_place)
     if not args.record_only:
         try:
             with tasks.text_style(style):
