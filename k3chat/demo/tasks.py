@@ -56,8 +56,9 @@ class TextStyle:
     # (measured: it did not help, counting 11%; README's train-demo row)
     count_letter_alone: bool = False
     # a question about a file first says which labels it asks for, copied from the question
-    # (the shipped demo quotes a wrong label, "Team A", in all its wrong answers about a file),
-    # and only then quotes the file's lines with those labels
+    # (the demo shipped until 2026-12-06 quoted a wrong label, mostly "Team A", in all its wrong
+    # answers about a file; the one after it mostly names the right labels and takes the wrong
+    # figure), and only then quotes the file's lines with those labels
     doc_labels_first: bool = False
     # a thinking-off answer lists the thinking-on column lines ("Tens: 3 - 5 is below zero, so
     # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
