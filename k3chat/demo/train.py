@@ -600,6 +600,21 @@ def parse_mix(text: str) -> tuple[tuple[tuple[str, float], ...], list[str]]:
     return tuple(pairs), bad
 
 
+# The training text's on/off experiments: TextStyle's field, and what --FIELD does (its help)
+TEXT_SWITCHES: dict[str, str] = {
+    "sign_by_places": "a difference decides its sign with the place-by-place verdict `compare` "
+                      "writes, at every effort (an experiment)",
+    "count_decisions": "counting says on every spelled line whether its letter is the one counted "
+                       "(\"a: no\", \"r: yes (2)\"), an experiment",
+    "count_letter_alone": "counting first writes the letter to count alone on its line, the same id "
+                          "as the spelled letters (an experiment)",
+    "doc_labels_first": "a question about a file first says which labels it asks for, copied from "
+                        "the question, then quotes the file's lines (an experiment)",
+    "off_steps_by_place": "a thinking-off sum or difference lists the column lines the reasoning "
+                          "writes (place, digits, then the borrow), an experiment",
+}
+
+
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="k3chat train-demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -633,21 +648,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-words-only", action="store_true",
                     help="with --copy-mix: draw the copy rows from the tasks' words only, no single "
                          "letters (as the shipped demo was trained)")
-    ap.add_argument("--sign-by-places", action="store_true",
-                    help="training text: a difference decides its sign with the place-by-place "
-                         "verdict `compare` writes, at every effort (an experiment)")
-    ap.add_argument("--count-decisions", action="store_true",
-                    help="training text: counting says on every spelled line whether its letter is "
-                         "the one counted (\"a: no\", \"r: yes (2)\"), an experiment")
-    ap.add_argument("--count-letter-alone", action="store_true",
-                    help="training text: counting first writes the letter to count alone on its line, "
-                         "the same id as the spelled letters (an experiment)")
-    ap.add_argument("--doc-labels-first", action="store_true",
-                    help="training text: a question about a file first says which labels it asks "
-                         "for, copied from the question, then quotes the file's lines (an experiment)")
-    ap.add_argument("--off-steps-by-place", action="store_true",
-                    help="training text: a thinking-off sum or difference lists the column lines the "
-                         "reasoning writes (place, digits, then the borrow), an experiment")
+    for field, why in TEXT_SWITCHES.items():
+        ap.add_argument(f"--{field.replace('_', '-')}", action="store_true", help=f"training text: {why}")
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
@@ -682,10 +684,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"k3chat train-demo: {'; '.join(bad) or '--lr must be > 0'}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    style = tasks.TextStyle(sign_by_places=args.sign_by_places, weights=weights,
-                            count_decisions=args.count_decisions, count_letter_alone=args.count_letter_alone,
-                            doc_labels_first=args.doc_labels_first,
-                            off_steps_by_place=args.off_steps_by_place)
+    style = tasks.TextStyle(weights=weights, **{field: getattr(args, field) for field in TEXT_SWITCHES})
     if not args.record_only:
         try:
             with tasks.text_style(style):
