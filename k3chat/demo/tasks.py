@@ -659,13 +659,18 @@ def _notes_text(rng: random.Random) -> str:
                      else _sentence(rng) for _ in range(rng.randint(1, 3)))
 
 
+def _doc_line_parts(name: str, label: str, value: int) -> tuple[str, str]:
+    """One figure's line as the file writes it, cut after its label: (label part, figure part)."""
+    if name.endswith(".csv"):
+        return label, f",{value}"
+    if name.endswith(".md"):
+        return f"- {label}", f": {value}"
+    return label, f": {value}"
+
+
 def _doc_line(name: str, label: str, value: int) -> str:
     """One figure's line as the file writes it."""
-    if name.endswith(".csv"):
-        return f"{label},{value}"
-    if name.endswith(".md"):
-        return f"- {label}: {value}"
-    return f"{label}: {value}"
+    return "".join(_doc_line_parts(name, label, value))
 
 
 def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
@@ -710,6 +715,36 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
                     off_response=f"{block}\n\n{off}")
 
     return key, make
+
+
+def _file_of_held_out_question(name: str, rows: list[tuple[str, int]]) -> bool:
+    """True if some held-out document question could be about this very file (any two of its
+    lines, either order, either operation): such a file is never trained on."""
+    if len(rows) > 3:             # the document task's files have 2 or 3 lines
+        return False
+    head = f"document:{name}:" + ":".join(f"{label}={value}" for label, value in rows)
+    return any(held_out(f"{head}:{x}{op}{y}") for x, _ in rows for y, _ in rows if x != y for op in "+-")
+
+
+def recall_row(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
+    """For train-demo --recall-mix: a file of 2 to 6 labelled figures, and some of its lines in
+    another order, each cut after its label, (label part, figure part + newline), to be
+    trained on the figure part only. The document task's misses name the right label and
+    write another line's figure: after "Boxes: " the id to fetch follows " ", which every
+    line has, so the lookup must key on the label two ids back. These rows ask for that
+    lookup alone, with more lines than a task's file, in each of the file kinds."""
+    while True:
+        name = rng.choice(_DOC_NAMES)
+        labels = rng.sample(DOC_LABELS, rng.randint(2, 6))
+        rows = [(label, _rand_n(rng, rng.choice((1, 2, 2, 3)))) for label in labels]
+        if not _file_of_held_out_question(name, rows):
+            break
+    asked = rng.sample(rows, rng.randint(1, len(rows)))
+    lines = []
+    for label, value in asked:
+        head, tail = _doc_line_parts(name, label, value)
+        lines.append((head, tail + "\n"))
+    return _doc_text(name, rows), lines
 
 
 def with_unrelated_file(rng: random.Random, turn: Turn) -> Turn:

@@ -262,6 +262,32 @@ def task_copy_pool(tok: Any, letters: bool = True) -> list[int]:
     return sorted(pool)
 
 
+def recall_batch(torch: Any, rng: random.Random, tok: Any, bos: int, sep: int, pad: int,
+                 n_seqs: int) -> tuple[Any, Any]:
+    """A batch of "[BOS] file <|sep|> line line ..." (tasks.recall_row), trained only on the
+    figure part of each line after <|sep|>: the label is given, its figure must be found.
+    For --recall-mix, an experiment for issue 7's document task, off by default."""
+    enc = tok.encoding.encode_ordinary
+    rows = []
+    for _ in range(n_seqs):
+        text, lines = tasks.recall_row(rng)
+        row, trained = [bos] + enc(text) + [sep], []
+        for head, tail in lines:
+            row += enc(head)
+            ids = enc(tail)
+            trained += range(len(row), len(row) + len(ids))
+            row += ids
+        rows.append((row, trained))
+    t = max(len(r) for r, _ in rows)
+    ids = torch.full((n_seqs, t), pad, dtype=torch.long)
+    target = torch.full((n_seqs, t), -100, dtype=torch.long)
+    for r, (row, trained) in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        for k in trained:                    # id k is predicted at position k-1
+            target[r, k - 1] = row[k]
+    return ids, target
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -278,12 +304,14 @@ class ResumeRefused(ValueError):
 
 
 # recipe keys newer than some saved states, with the value every run before them had
-RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False}
+RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False,
+                                           "recall_mix": 0, "recall_mix_until": 0}
 
 
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
                tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
-               copy_words_only: bool, count_weight: float) -> dict[str, Any]:
+               copy_words_only: bool, count_weight: float, recall_mix: int = 0,
+               recall_mix_until: int = 0) -> dict[str, Any]:
     """Everything that shapes a run's data, schedule and loss (not ``--threads``, which only
     changes the rounding), with the training text's options (TextStyle)."""
     style = tasks.current_style()
@@ -291,6 +319,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "lr": lr, "final_lr": final_lr, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
             "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
             "copy_words_only": copy_words_only, "count_weight": count_weight,
+            "recall_mix": recall_mix, "recall_mix_until": recall_mix_until,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place}
@@ -326,7 +355,8 @@ def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> d
 def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float,
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
-          final_lr: float = 0.1, count_weight: float = 1.0) -> dict[str, Any]:
+          final_lr: float = 0.1, count_weight: float = 1.0, recall_mix: int = 0,
+          recall_mix_until: int = 0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -334,7 +364,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     recipe = run_recipe(steps=steps, seed=seed, conversations=conversations, batch_tokens=batch_tokens,
                         lr=lr, final_lr=final_lr, tie_embeddings=tie_embeddings, copy_warmup=copy_warmup,
                         copy_mix=copy_mix, copy_mix_from=copy_mix_from, copy_mix_until=copy_mix_until,
-                        copy_words_only=copy_words_only, count_weight=count_weight)
+                        copy_words_only=copy_words_only, count_weight=count_weight,
+                        recall_mix=recall_mix, recall_mix_until=recall_mix_until)
     state_path = out / "train_state.pt"
     resumed = load_resume_state(torch, state_path, recipe) if resume else None
     torch.manual_seed(seed)
@@ -396,7 +427,13 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         _log(f"copy mix: {copy_mix} rows of 3-12 ids from {len(mix_pool)} in every task step"
              + (f" from task step {copy_mix_from}" if copy_mix_from else "")
              + (f" until task step {copy_mix_until}" if copy_mix_until else ""))
+    if recall_mix:       # (a resume draws new rows: this rng is not saved)
+        recall_rng = random.Random(seed ^ 0x4EC1)
+        bos, sep = tok.special_id("[BOS]"), tok.special_id("<|sep|>")
+        _log(f"recall mix: {recall_mix} rows of a file's lines looked up by label in every task step"
+             + (f" until task step {recall_mix_until}" if recall_mix_until else ""))
     copy_history: list[float] = []
+    recall_history: list[float] = []
     t_train = time.time()
     for step in range(start_step, total):
         if step < copy_warmup:            # warm up the learning rate, then hold it
@@ -432,6 +469,12 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             closs = torch.nn.functional.cross_entropy(clogits.float(), ctarget[cscored])
             copy_history.append(float(closs.detach()))
             loss = loss + closs
+        if recall_mix and step >= copy_warmup and step - copy_warmup < (recall_mix_until or steps):
+            rids, rtarget = recall_batch(torch, recall_rng, tok, bos, sep, pad, recall_mix)
+            rscored = rtarget != -100
+            rloss = torch.nn.functional.cross_entropy(model(rids, [], rows=rscored).float(), rtarget[rscored])
+            recall_history.append(float(rloss.detach()))
+            loss = loss + rloss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -445,6 +488,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             el = time.time() - t_train
             recent = sum(history[-20:]) / len(history[-20:])
             copy_note = f" copy {sum(copy_history[-20:]) / len(copy_history[-20:]):.4f}" if copy_history else ""
+            if recall_history:
+                copy_note += f" recall {sum(recall_history[-20:]) / len(recall_history[-20:]):.4f}"
             _log(f"step {step:5d}/{total} loss {recent:.4f}{copy_note} lr {cur_lr:.2e} {el:7.0f} s "
                  f"({(step + 1 - start_step) / max(el, 1e-9):.2f} step/s)")
         if (step + 1) % STATE_EVERY == 0 or step == total - 1:
@@ -458,6 +503,9 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "copy_steps": len(copy_history),
         "copy_loss_every_50": [round(sum(copy_history[i:i + 50]) / len(copy_history[i:i + 50]), 4)
                                for i in range(0, len(copy_history), 50)],
+        "recall_steps": len(recall_history),
+        "recall_loss_every_50": [round(sum(recall_history[i:i + 50]) / len(recall_history[i:i + 50]), 4)
+                                 for i in range(0, len(recall_history), 50)],
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - t0, 1), "tokens": n_tok, "trained_tokens": n_trained,
         "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
@@ -648,6 +696,11 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--copy-words-only", action="store_true",
                     help="with --copy-mix: draw the copy rows from the tasks' words only, no single "
                          "letters (as the shipped demo was trained)")
+    ap.add_argument("--recall-mix", type=int, default=0, metavar="ROWS",
+                    help="add ROWS rows of looking up a file's figures by their labels to every task "
+                         "step, with their own loss (0: off; an experiment for questions about a file)")
+    ap.add_argument("--recall-mix-until", type=int, default=0, metavar="STEP",
+                    help="with --recall-mix: stop adding those rows at task step STEP (0: never)")
     for field, why in TEXT_SWITCHES.items():
         ap.add_argument(f"--{field.replace('_', '-')}", action="store_true", help=f"training text: {why}")
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
@@ -674,6 +727,12 @@ def main(argv: Sequence[str]) -> int:
     elif args.copy_mix_until and not args.copy_mix_from < args.copy_mix_until <= args.steps:
         bad.append(f"--copy-mix-until must be above --copy-mix-from ({args.copy_mix_from}) and at most "
                    f"--steps ({args.steps})")
+    bad += [f"--{k.replace('_', '-')} must be >= 0" for k in ("recall_mix", "recall_mix_until")
+            if getattr(args, k) < 0]
+    if args.recall_mix_until and not args.recall_mix:
+        bad.append("--recall-mix-until needs --recall-mix ROWS")
+    elif args.recall_mix_until > args.steps >= 1:
+        bad.append(f"--recall-mix-until must be at most --steps ({args.steps})")
     weights, why = parse_mix(args.mix)
     bad += why
     if not 0 <= args.final_lr <= 1:
@@ -694,7 +753,8 @@ def main(argv: Sequence[str]) -> int:
                              copy_warmup=args.copy_warmup, copy_mix=args.copy_mix,
                              copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
                              copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
-                             count_weight=args.count_weight)
+                             count_weight=args.count_weight, recall_mix=args.recall_mix,
+                             recall_mix_until=args.recall_mix_until)
         except ResumeRefused as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
