@@ -205,3 +205,58 @@ def test_copy_words_only_leaves_out_the_single_letters(tok: Tokenizer) -> None:
     for i in full - words:          # only single letters were dropped
         piece = tok.token_bytes(i).strip()
         assert len(piece) == 1 and piece.isalpha(), piece
+
+
+def test_recall_rows_ask_for_a_files_own_lines_tokenized_as_the_file_has_them(tok: Tokenizer) -> None:
+    """--recall-mix: each asked line is a line of the file (read off the file text by regex),
+    and its label part then its figure part encode to the ids of that line in the file, so
+    the figure the row trains on is the file's own ids, as a document answer quotes them."""
+    rng = random.Random(0x4EC)
+    kinds, counts = set(), set()
+    for _ in range(300):
+        text, asked = tasks.recall_row(rng)
+        lines = {m.group(0): m for m in re.finditer(r"^(?:- )?[A-Z][A-Za-z ]*?[:,] ?\d+$", text, re.M)}
+        counts.add(len(lines))
+        assert 1 <= len(asked) <= len(lines)
+        assert len({h for h, _ in asked}) == len(asked), asked          # no line asked twice
+        for head, tail in asked:
+            assert tail.endswith("\n") and re.fullmatch(r"(?:: |,)\d+\n", tail), tail
+            line = head + tail[:-1]
+            assert line in lines, (line, text)
+            kinds.add(tail[0])
+            m = lines[line]
+            ids = tok.encode_text(head) + tok.encode_text(tail[:-1])
+            assert ids == span_ids(tok, text, m.start(), m.end()), (line, text)
+    assert kinds == {":", ","} and counts == {2, 3, 4, 5, 6}
+
+
+def test_recall_rows_never_hold_a_held_out_questions_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file of every held-out document question (eval_conversation's, read off its key)
+    is one the recall rows refuse, and no row drawn is such a file."""
+    held = set()
+    for mode in tasks.MODES:
+        rng = random.Random(7)
+        for _ in range(40):
+            key = tasks.eval_conversation(rng, "document", mode).turns[0].key
+            _, name, *rows, _ = key.split(":")
+            pairs = [(r.split("=")[0], int(r.split("=")[1])) for r in rows]
+            assert tasks._file_of_held_out_question(name, pairs), key
+            held.add((name, tuple(pairs)))
+    # every file a row is drawn on is checked, and only the files that pass are given
+    checked: list[tuple[str, tuple[tuple[str, int], ...], bool]] = []
+    real = tasks._file_of_held_out_question
+
+    def spy(name: str, rows: list[tuple[str, int]]) -> bool:
+        checked.append((name, tuple(rows), real(name, rows)))
+        return checked[-1][2]
+
+    monkeypatch.setattr(tasks, "_file_of_held_out_question", spy)
+    rng, refused = random.Random(8), 0
+    for _ in range(2000):
+        checked.clear()
+        text, _ = tasks.recall_row(rng)
+        name, rows, bad = checked[-1]
+        assert not bad and text == tasks._doc_text(name, list(rows))
+        assert (name, rows) not in held
+        refused += sum(b for _, _, b in checked[:-1])
+    assert refused > 100          # short files often could be a held-out question's, and are redrawn

@@ -285,6 +285,57 @@ def test_copy_mix_until_leaves_the_steps_after_it_to_the_tasks(tmp_path: Path) -
     assert meta[4]["loss_every_50"] != meta[0]["loss_every_50"]
 
 
+def test_recall_rows_give_a_file_and_train_only_on_the_figures_of_the_lines_asked() -> None:
+    import random
+
+    from k3chat.demo.train import recall_batch
+
+    class Tok:                                  # one id per byte: every id decodes to itself
+        class encoding:
+            @staticmethod
+            def encode_ordinary(text: str) -> list[int]:
+                return list(text.encode())
+
+    bos, sep, pad = 300, 301, 302
+    ids, target = recall_batch(torch, random.Random(4), Tok, bos, sep, pad, n_seqs=40)
+    for row, tgt in zip(ids.tolist(), target.tolist()):
+        assert row[0] == bos and row.count(sep) == 1
+        s = row.index(sep)
+        end = row.index(pad) if pad in row else len(row)
+        file, asked = bytes(row[1:s]).decode(), bytes(row[s + 1:end]).decode()
+        lines = asked.splitlines()
+        assert asked.endswith("\n") and set(lines) <= set(file.splitlines()), (file, asked)
+        # position j predicts id j + 1: trained exactly on what follows each line's label
+        assert tgt[-1] == -100
+        trained = "".join(chr(row[j + 1]) for j, t in enumerate(tgt[:-1]) if t != -100)
+        assert all(t in (-100, row[j + 1]) for j, t in enumerate(tgt[:-1]))
+        want = "".join(line[line.rfind(",") if "," in line else line.index(":"):] + "\n" for line in lines)
+        assert trained == want, (asked, trained)
+        assert all(t == -100 for t in tgt[:s])                      # never on the file itself
+
+
+def test_recall_mix_adds_its_own_loss_and_stops_at_its_step(tmp_path: Path) -> None:
+    """--recall-mix 4 --recall-mix-until 1 on a 2-step run: only the first step has the rows,
+    their loss is kept apart from the task loss (near ln(vocab) untrained), and their
+    gradient changes what the second step sees."""
+    import json
+    import math
+
+    from k3chat.demo.train import train
+
+    meta = {}
+    for mix, until in ((0, 0), (4, 1)):
+        meta[mix] = train(tmp_path / f"r{mix}", steps=2, seed=5, conversations=30, batch_tokens=256,
+                          lr=1e-3, threads=1, resume=False, recall_mix=mix, recall_mix_until=until)
+    written = json.loads((tmp_path / "r4" / "training.json").read_text())
+    assert written["recall_mix"] == 4 and written["recall_mix_until"] == 1 and written["recall_steps"] == 1
+    assert meta[0]["recall_steps"] == 0 and meta[0]["recall_loss_every_50"] == []
+    vocab = json.loads((tmp_path / "r4" / "config.json").read_text())["text_config"]["vocab_size"]
+    (recall_loss,) = meta[4]["recall_loss_every_50"]
+    assert abs(recall_loss - math.log(vocab)) < 1.0, (recall_loss, vocab)
+    assert meta[4]["loss_every_50"] != meta[0]["loss_every_50"]       # the update had its gradient
+
+
 def test_count_weight_weighs_only_the_decisions_and_logs_the_plain_loss(tmp_path: Path) -> None:
     """decision_weights puts W where collate puts the target of a decision id (one position
     before it) and 1 elsewhere; a one-step run logs the same (unweighted) loss with and
