@@ -75,3 +75,15 @@ def test_the_schedule_ends_at_the_final_fraction_and_its_default_is_the_shipped_
     for j in range(2500):
         frac = j / 2499
         assert train.cosine_factor(frac, 0.1) == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def test_compile_where_torch_compile_cannot_build_is_refused_before_any_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile first builds a tiny kernel; when that fails (no C++ compiler, say) the run is
+    refused, exit 2, with what failed and the two ways on, instead of failing at step 0."""
+    monkeypatch.setattr(train, "compile_unavailable", lambda: "InvalidCxxCompiler: no working C++ compiler found")
+    assert train.main(["--out", str(tmp_path / "m"), "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert "--compile: torch.compile does not work here (InvalidCxxCompiler: no working C++ compiler" in err
+    assert "install a C++ compiler (g++), or train without --compile" in err
+    assert not (tmp_path / "m").exists()

@@ -163,6 +163,71 @@ def test_exported_checkpoint_is_what_the_torch_model_computed(tmp_path: Path) ->
     assert np.array_equal(again, ours)                 # the stored values are exactly the trained ones
 
 
+def _compile_or_skip() -> None:
+    from k3chat.demo.train import compile_unavailable
+
+    broken = compile_unavailable()
+    if broken:
+        pytest.skip(f"torch.compile does not work here ({broken}): the --compile tests need a C++ compiler")
+
+
+def test_compiled_pieces_match_the_oracle_on_random_weights(tiny_dir: Path, tiny_oracle: dict) -> None:
+    """--compile trains through Kernels(compiled=True): the same forward pass up to rounding,
+    so it too agrees with the float64 oracle within spec 9.3's tolerance, MLA's fused
+    attention with its padded values included."""
+    _compile_or_skip()
+    ids = [int(i) for i in tiny_oracle["full_ids"]]
+    m = K3Torch(PRESETS["tiny"], _vocab(tiny_dir), compiled=True)
+    m.quantize = False
+    m.load_checkpoint(tiny_dir)
+    assert PRESETS["tiny"].v_head_dim < PRESETS["tiny"].qk_nope_head_dim + PRESETS["tiny"].qk_rope_head_dim
+    with torch.no_grad():
+        ours = m(torch.tensor([ids, ids[::-1]]))[0].double().numpy()     # two rows: batched as in training
+    assert _rel_err(ours, Oracle(tiny_dir).forward(ids)) <= TOL
+
+
+def test_compiled_pieces_give_the_eager_logits_and_gradients_on_the_demo_shape() -> None:
+    """On the demo's own shape, quantization-aware as it trains, with padding and scored rows:
+    the compiled model's logits and every gradient are the eager model's up to float32
+    rounding (they differ: fusion rounds otherwise, which is why a compiled run is another
+    model), and one piece wrong would show: attention without its padding cut off does."""
+    _compile_or_skip()
+    from k3chat.demo.train import DEMO_PRESET
+    from k3engine.train.model import Kernels
+
+    vocab = 300
+    eager, compiled = K3Torch(DEMO_PRESET, vocab, seed=7), K3Torch(DEMO_PRESET, vocab, seed=7, compiled=True)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(eager.named_weights(), compiled.named_weights()):
+            if a.ndim >= 2:
+                a.mul_(4.0)                                  # larger than the init, so routing matters
+                b.copy_(a)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, vocab, (3, 37), generator=g)
+    target = torch.randint(0, vocab, (3, 37), generator=g)
+    rows = torch.rand(3, 37, generator=g) < 0.6
+    results = []
+    for model in (eager, compiled):
+        logits = model(ids, [], rows=rows)
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(logits, target[rows]).backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_weights() if p.grad is not None}))
+    (le, ge), (lc, gc) = results
+    assert (lc - le).abs().max() <= 1e-4 * le.abs().max()
+    assert set(ge) == set(gc) and len(ge) > 100
+    for name in ge:
+        assert (gc[name] - ge[name]).abs().max() <= 1e-3 * ge[name].abs().max() + 1e-12, name
+
+    class Uncut(Kernels):            # the padded value columns left in: the output is wrong
+        def attention(self, q, key, value, mask, scale):  # type: ignore[no-untyped-def]
+            full = torch.nn.functional.pad(value, (0, key.shape[-1] - value.shape[-1]))
+            out = torch.nn.functional.scaled_dot_product_attention(q, key, full, is_causal=True, scale=scale)
+            return out[..., -value.shape[-1]:]
+    compiled.k = Uncut(compiled=True)
+    with torch.no_grad():
+        assert (compiled(ids, rows=rows) - le).abs().max() > 1e-2 * le.abs().max()
+
+
 def test_logits_of_selected_rows_are_those_rows_of_the_full_logits(tiny_dir: Path) -> None:
     """The trainer asks for the scored positions only; they must be the same logits."""
     m = _loaded(tiny_dir, torch.float64)
@@ -445,6 +510,8 @@ def test_resume_refuses_another_recipe_a_missing_state_and_a_damaged_one(
     assert load_resume_state(torch, out / "train_state.pt", recipe)["step"] == 1
     assert main([*base, "--steps", "3", "--doc-labels-first"]) == 2
     assert "doc_labels_first False -> True" in capsys.readouterr().err
+    assert main([*base, "--steps", "3", "--compile"]) == 2         # compiled steps round otherwise
+    assert "compile False -> True" in capsys.readouterr().err
     assert set(recipe) == set(run_recipe(steps=3, seed=5, conversations=30, batch_tokens=256, lr=1e-3,
                                          final_lr=0.1, tie_embeddings=False, copy_warmup=0, copy_mix=0,
                                          copy_mix_from=0, copy_mix_until=0, copy_words_only=False,
@@ -457,3 +524,22 @@ def test_resume_refuses_another_recipe_a_missing_state_and_a_damaged_one(
     torch.save({"model": {}, "step": 1}, out / "train_state.pt")
     assert main([*base, "--steps", "3"]) == 2
     assert "has no opt, history, recipe" in capsys.readouterr().err
+
+
+def test_step_bench_times_both_sides_and_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark behind README's --compile ratio runs end to end on a tiny budget and
+    writes what it printed (no speed is asserted: only that both sides were timed)."""
+    _compile_or_skip()
+    import json
+
+    from k3chat.demo import step_bench
+
+    out = tmp_path / "bench.json"
+    assert step_bench.main(["--steps", "2", "--warmup", "1", "--threads", "1", "--batch-tokens", "256",
+                            "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    s = res["seconds_per_step"]
+    assert res["steps"] == 2 and set(s) == {"eager", "compiled"} and min(s.values()) > 0
+    assert res["compiled_speedup"] == pytest.approx(s["eager"] / s["compiled"], rel=1e-2)
+    assert f"{s['eager']:.3f} s/step" in capsys.readouterr().out
+    assert step_bench.main(["--steps", "0"]) == 2

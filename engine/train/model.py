@@ -12,6 +12,9 @@ Two switches matter:
   every expert matrix through MXFP4 fake quantization, both with straight-through
   gradients, so the model trained is the model exported (quantization-aware training).
 - ``quantize=False`` (loaded checkpoints): the weights already hold the stored values.
+
+And one for speed: ``compiled=True`` (``train-demo --compile``) runs the elementwise-heavy
+pieces through ``torch.compile`` (``Kernels``); the eager pieces stay the reference.
 """
 
 from __future__ import annotations
@@ -114,6 +117,35 @@ def mxfp4_ste(w: Tensor) -> Tensor:
     return w + (mxfp4_values(w) - w).detach()
 
 
+class Kernels:
+    """Pieces of the forward pass, eager (the reference) or each passed through
+    ``torch.compile``, which fuses their elementwise work into one loop: on 2 cores the eager
+    forward and backward spend more time moving [B, T, E] tensors through memory than
+    multiplying matrices, most of it in Block AttnRes and the norms. (Compiling KDA's chunk
+    terms measured slower, and whole sublayers break up on the routing's data-dependent
+    shapes and recompile per layer.) Compiled, the model is the same function up to
+    rounding, so a run trained with it is another model than the eager run of its seed."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
+        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)  # noqa: E731
+        self.rmsnorm = wrap(rmsnorm)
+        self.situ = wrap(situ)
+        self.glu = wrap(glu)
+        self.attn_res = wrap(attn_res)
+
+    def attention(self, q: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        """Causal attention. Compiled, the values are padded with zeros to the key width when
+        they are narrower, which lets torch take its fused (flash) CPU kernel instead of
+        writing out every [T, T] score; the padding columns are cut off again."""
+        dv, dk = value.shape[-1], key.shape[-1]
+        if self.compiled and mask is None and dv < dk:
+            padded = F.pad(value, (0, dk - dv))
+            return F.scaled_dot_product_attention(q, key, padded, is_causal=True, scale=scale)[..., :dv]
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -121,9 +153,10 @@ class K3Torch(nn.Module):
     """A K3-shaped model with the dimensions of a fixture Preset."""
 
     def __init__(self, p: Preset, vocab_size: int, *, seed: int = 0, dtype: Any = None,
-                 tie_embeddings: bool = False) -> None:
+                 tie_embeddings: bool = False, compiled: bool = False) -> None:
         super().__init__()
         self.p = p
+        self.k = Kernels(compiled)
         self.vocab_size = vocab_size
         self.quantize = True
         self.chunk = 16         # fewest sequential steps whose decay factors fit float32 (kda.chunked)
@@ -238,7 +271,7 @@ class K3Torch(nn.Module):
         if cache is not None:
             st["S"] = state
         gate = torch.sigmoid(heads(x @ w("g_proj.weight").T))
-        y = rmsnorm(o, w("o_norm.weight").reshape(-1), FIXED_EPS) * gate
+        y = self.k.rmsnorm(o, w("o_norm.weight").reshape(-1), FIXED_EPS) * gate
         return y.transpose(1, 2).reshape(b, t, H * D) @ w("o_proj.weight").T
 
     def _mla(self, layer: int, x: Tensor, cache: dict | None = None) -> Tensor:
@@ -246,10 +279,10 @@ class K3Torch(nn.Module):
         w = lambda s: self.weight(f"{LM}layers.{layer}.self_attn.{s}")  # noqa: E731
         b, t, _ = x.shape
         H, dn, dr, dv = p.mla_heads, p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim
-        q = rmsnorm(x @ w("q_a_proj.weight").T, w("q_a_layernorm.weight"), MLA_NORM_EPS)
+        q = self.k.rmsnorm(x @ w("q_a_proj.weight").T, w("q_a_layernorm.weight"), MLA_NORM_EPS)
         q = (q @ w("q_b_proj.weight").T).reshape(b, t, H, dn + dr).transpose(1, 2)
         c = x @ w("kv_a_proj_with_mqa.weight").T
-        c_hat = rmsnorm(c[..., : p.kv_lora_rank], w("kv_a_layernorm.weight"), MLA_NORM_EPS)
+        c_hat = self.k.rmsnorm(c[..., : p.kv_lora_rank], w("kv_a_layernorm.weight"), MLA_NORM_EPS)
         k_rope = c[..., p.kv_lora_rank: p.kv_lora_rank + dr]
         kv = (c_hat @ w("kv_b_proj.weight").T).reshape(b, t, H, dn + dv).transpose(1, 2)
         key = torch.cat([kv[..., :dn], k_rope[:, None].expand(b, H, t, dr)], dim=-1)
@@ -263,8 +296,7 @@ class K3Torch(nn.Module):
             st["key"], st["value"] = key, value
             past = key.shape[2] - t
             mask = torch.ones(t, key.shape[2], dtype=torch.bool).tril(past)
-        o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=mask is None,
-                                           scale=(dn + dr) ** -0.5)
+        o = self.k.attention(q, key, value, mask, (dn + dr) ** -0.5)
         gate = torch.sigmoid(x @ w("g_proj.weight").T)
         return (gate * o.transpose(1, 2).reshape(b, t, H * dv)) @ w("o_proj.weight").T
 
@@ -284,7 +316,17 @@ class K3Torch(nn.Module):
             loads.append(torch.bincount(sel.reshape(-1), minlength=p.num_experts).detach())
         z = xf @ m("routed_expert_down_proj.weight").T                   # [N, l]
         w1, w2, w3 = (m(f"experts.{part}") for part in EXPERT_PARTS)
-        # one contiguous slice of (token, slot) pairs per expert, then back to [N, k, l]
+        unsorted = self._experts(z, sel, w1, w2, w3)
+        u = (unsorted.reshape(b * t, p.num_experts_per_token, -1) * wts[..., None]).sum(1)
+        r = self.k.rmsnorm(u, m("routed_expert_norm.weight"), FIXED_EPS) @ m("routed_expert_up_proj.weight").T
+        sh = self.k.glu(xf, m("shared_experts.gate_proj.weight"), m("shared_experts.up_proj.weight"),
+                        m("shared_experts.down_proj.weight"), p.situ_beta, p.situ_linear_beta)
+        return (r + sh).reshape(b, t, E)
+
+    def _experts(self, z: Tensor, sel: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        """Each (token, slot) pair through its expert: [N * k, l] in the order of ``sel``,
+        as one contiguous slice of pairs per expert (its size depends on the routing)."""
+        p = self.p
         flat = sel.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=p.num_experts).tolist()
@@ -293,20 +335,15 @@ class K3Torch(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 ze = zs[start:start + c]
-                outs.append(situ(ze @ w1[e].T, ze @ w3[e].T, p.situ_beta, p.situ_linear_beta) @ w2[e].T)
+                outs.append(self.k.situ(ze @ w1[e].T, ze @ w3[e].T, p.situ_beta, p.situ_linear_beta) @ w2[e].T)
             start += c
         h = torch.cat(outs, dim=0)
-        unsorted = torch.empty_like(h).index_copy(0, order, h)
-        u = (unsorted.reshape(b * t, p.num_experts_per_token, -1) * wts[..., None]).sum(1)
-        r = rmsnorm(u, m("routed_expert_norm.weight"), FIXED_EPS) @ m("routed_expert_up_proj.weight").T
-        sh = glu(xf, m("shared_experts.gate_proj.weight"), m("shared_experts.up_proj.weight"),
-                 m("shared_experts.down_proj.weight"), p.situ_beta, p.situ_linear_beta)
-        return (r + sh).reshape(b, t, E)
+        return torch.empty_like(h).index_copy(0, order, h)
 
     def _dense(self, layer: int, x: Tensor) -> Tensor:
         w = lambda s: self.weight(f"{LM}layers.{layer}.mlp.{s}")  # noqa: E731
-        return glu(x, w("gate_proj.weight"), w("up_proj.weight"), w("down_proj.weight"),
-                   self.p.situ_beta, self.p.situ_linear_beta)
+        return self.k.glu(x, w("gate_proj.weight"), w("up_proj.weight"), w("down_proj.weight"),
+                          self.p.situ_beta, self.p.situ_linear_beta)
 
     # ---- the whole model ------------------------------------------------------------
     def forward(self, ids: Tensor, loads: list[Tensor] | None = None, cache: dict | None = None,
@@ -323,23 +360,23 @@ class K3Torch(nn.Module):
         blocks: list[Tensor] = []
         for layer in range(p.num_hidden_layers):
             prefix: Tensor | None = h
-            x = h if not blocks else attn_res(blocks + [h], r(layer, "self_attention_res_norm.weight"),
+            x = h if not blocks else self.k.attn_res(blocks + [h], r(layer, "self_attention_res_norm.weight"),
                                               r(layer, "self_attention_res_proj.weight"))
             if layer % p.attn_res_block_size == 0:
                 blocks.append(h)
                 prefix = None
-            xn = rmsnorm(x, r(layer, "input_layernorm.weight"), p.rms_norm_eps)
+            xn = self.k.rmsnorm(x, r(layer, "input_layernorm.weight"), p.rms_norm_eps)
             a = self._mla(layer, xn, cache) if p.is_mla(layer) else self._kda(layer, xn, cache)
             prefix = a if prefix is None else prefix + a
-            x = attn_res(blocks + [prefix], r(layer, "mlp_res_norm.weight"), r(layer, "mlp_res_proj.weight"))
-            xn = rmsnorm(x, r(layer, "post_attention_layernorm.weight"), p.rms_norm_eps)
+            x = self.k.attn_res(blocks + [prefix], r(layer, "mlp_res_norm.weight"), r(layer, "mlp_res_proj.weight"))
+            xn = self.k.rmsnorm(x, r(layer, "post_attention_layernorm.weight"), p.rms_norm_eps)
             m = self._moe(layer, xn, loads) if p.is_moe(layer) else self._dense(layer, xn)
             h = prefix + m
         if rows is not None:                  # everything below is per position
             blocks, h = [blk[rows] for blk in blocks], h[rows]
-        h = attn_res(blocks + [h], self.weight(LM + "output_attn_res_norm.weight"),
+        h = self.k.attn_res(blocks + [h], self.weight(LM + "output_attn_res_norm.weight"),
                      self.weight(LM + "output_attn_res_proj.weight"))
-        h = rmsnorm(h, self.weight(LM + "norm.weight"), p.rms_norm_eps)
+        h = self.k.rmsnorm(h, self.weight(LM + "norm.weight"), p.rms_norm_eps)
         return h @ self.weight(LM_HEAD).T
 
     # ---- checkpoints --------------------------------------------------------------
