@@ -728,8 +728,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="run the forward pass's norms, Block AttnRes and gated units through "
                          "torch.compile (needs a C++ compiler) and MLA through torch's fused "
-                         "attention: steps about 1.4 times as fast on 2 cores; the same model up to "
-                         "rounding, so another model than the same run without it")
+                         "attention: steps about 1.25 times as fast on 2 cores (python -m "
+                         "k3chat.demo.step_bench); the same model up to rounding, so another model "
+                         "than the same run without it")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
