@@ -311,7 +311,7 @@ RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
                tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
                copy_words_only: bool, count_weight: float, recall_mix: int = 0,
-               recall_mix_until: int = 0, compile: bool = False) -> dict[str, Any]:
+               recall_mix_until: int = 0, compiled: bool = False) -> dict[str, Any]:
     """Everything that shapes a run's data, schedule and loss, with the training text's
     options (TextStyle). Not ``--threads``, which only changes the rounding; ``--compile``
     does too, but in every step's every norm, so a run is not resumed across it."""
@@ -320,7 +320,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "lr": lr, "final_lr": final_lr, "tie_embeddings": tie_embeddings, "copy_warmup": copy_warmup,
             "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
             "copy_words_only": copy_words_only, "count_weight": count_weight,
-            "recall_mix": recall_mix, "recall_mix_until": recall_mix_until, "compile": compile,
+            "recall_mix": recall_mix, "recall_mix_until": recall_mix_until, "compile": compiled,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place}
@@ -357,7 +357,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
           final_lr: float = 0.1, count_weight: float = 1.0, recall_mix: int = 0,
-          recall_mix_until: int = 0, compile: bool = False) -> dict[str, Any]:
+          recall_mix_until: int = 0, compiled: bool = False) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -366,7 +366,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
                         lr=lr, final_lr=final_lr, tie_embeddings=tie_embeddings, copy_warmup=copy_warmup,
                         copy_mix=copy_mix, copy_mix_from=copy_mix_from, copy_mix_until=copy_mix_until,
                         copy_words_only=copy_words_only, count_weight=count_weight,
-                        recall_mix=recall_mix, recall_mix_until=recall_mix_until, compile=compile)
+                        recall_mix=recall_mix, recall_mix_until=recall_mix_until, compiled=compiled)
     state_path = out / "train_state.pt"
     resumed = load_resume_state(torch, state_path, recipe) if resume else None
     torch.manual_seed(seed)
@@ -390,8 +390,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         decisions = [corpus.count_decision_positions(c, tok) for c in convs]
         _log(f"count weight {count_weight}: {sum(map(len, decisions)):,} counting decisions weighted")
 
-    model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings, compiled=compile)
-    if compile:
+    model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings, compiled=compiled)
+    if compiled:
         _log("compiled pieces (torch.compile): the first steps of each new shape compile, then run faster")
     decay, plain, seen = [], [], set()
     for name, p in model.named_weights():
@@ -782,7 +782,7 @@ def main(argv: Sequence[str]) -> int:
                              copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
                              copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
                              count_weight=args.count_weight, recall_mix=args.recall_mix,
-                             recall_mix_until=args.recall_mix_until, compile=args.compile)
+                             recall_mix_until=args.recall_mix_until, compiled=args.compile)
         except ResumeRefused as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
