@@ -126,8 +126,19 @@ class Kernels:
     shapes and recompile per layer.) Compiled, the model is the same function up to
     rounding, so a run trained with it is another model than the eager run of its seed."""
 
+    # A compiled piece gets one graph per variant its guards tell apart (how many AttnRes
+    # sources, contiguous or strided input, grad or no grad), and a training step meets more of
+    # them than dynamo's default limit of 8: past it, a piece silently runs eager for every new
+    # variant (train-demo with --copy-mix hit it for attn_res and rmsnorm in its first steps).
+    RECOMPILE_LIMIT = 64
+
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
+        if compiled:
+            import torch._dynamo
+
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, self.RECOMPILE_LIMIT)
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)  # noqa: E731
         self.rmsnorm = wrap(rmsnorm)
         self.situ = wrap(situ)
