@@ -87,3 +87,13 @@ def test_compile_where_torch_compile_cannot_build_is_refused_before_any_data(
     assert "--compile: torch.compile does not work here (InvalidCxxCompiler: no working C++ compiler" in err
     assert "install a C++ compiler (g++), or train without --compile" in err
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("argv, says", [(["--lr", "fast"], "--lr must be"), (["--lr", "0"], "--lr must be"),
+                                        (["--steps", "0"], "must be >= 1")])
+def test_recall_probe_refuses_bad_arguments(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before torch is needed (the probe is for machines with it), exit 2, saying which."""
+    from k3chat.demo import recall_probe
+
+    assert recall_probe.main(argv) == 2
+    assert says in capsys.readouterr().err

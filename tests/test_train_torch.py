@@ -362,8 +362,8 @@ def test_recall_rows_give_a_file_and_train_only_on_the_figures_of_the_lines_aske
                 return list(text.encode())
 
     bos, sep, pad = 300, 301, 302
-    ids, target = recall_batch(torch, random.Random(4), Tok, bos, sep, pad, n_seqs=40)
-    for row, tgt in zip(ids.tolist(), target.tolist()):
+    ids, target, lookup = recall_batch(torch, random.Random(4), Tok, bos, sep, pad, n_seqs=40)
+    for row, tgt, look in zip(ids.tolist(), target.tolist(), lookup.tolist()):
         assert row[0] == bos and row.count(sep) == 1
         s = row.index(sep)
         end = row.index(pad) if pad in row else len(row)
@@ -377,6 +377,9 @@ def test_recall_rows_give_a_file_and_train_only_on_the_figures_of_the_lines_aske
         want = "".join(line[line.rfind(",") if "," in line else line.index(":"):] + "\n" for line in lines)
         assert trained == want, (asked, trained)
         assert all(t == -100 for t in tgt[:s])                      # never on the file itself
+        # the lookups: exactly the positions predicting each asked line's first digit
+        firsts = [j for j in range(s, end - 1) if chr(row[j + 1]).isdigit() and not chr(row[j]).isdigit()]
+        assert [j for j, x in enumerate(look) if x] == firsts and len(firsts) == len(lines)
 
 
 def test_recall_mix_adds_its_own_loss_and_stops_at_its_step(tmp_path: Path) -> None:
@@ -543,3 +546,21 @@ def test_step_bench_times_both_sides_and_writes_its_report(tmp_path: Path, capsy
     assert res["compiled_speedup"] == pytest.approx(s["eager"] / s["compiled"], rel=1e-2)
     assert f"{s['eager']:.3f} s/step" in capsys.readouterr().out
     assert step_bench.main(["--steps", "0"]) == 2
+
+
+def test_recall_probe_reports_lookup_accuracy_per_learning_rate(tmp_path: Path) -> None:
+    """python -m k3chat.demo.recall_probe end to end, tiny: one run per lr, a curve of shares."""
+    import json
+
+    from k3chat.demo import recall_probe
+
+    out = tmp_path / "probe.json"
+    assert recall_probe.main(["--lr", "1e-3,3e-4", "--steps", "3", "--rows", "2", "--threads", "1",
+                              "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["lr"] for r in res["runs"]] == [1e-3, 3e-4] and res["steps"] == 3
+    for run in res["runs"]:
+        assert len(run["lookup_accuracy_every_25"]) == 1
+        assert 0.0 <= run["final_lookup_accuracy"] <= 1.0 and run["final_loss"] > 0
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+

@@ -263,29 +263,36 @@ def task_copy_pool(tok: Any, letters: bool = True) -> list[int]:
 
 
 def recall_batch(torch: Any, rng: random.Random, tok: Any, bos: int, sep: int, pad: int,
-                 n_seqs: int) -> tuple[Any, Any]:
+                 n_seqs: int) -> tuple[Any, Any, Any]:
     """A batch of "[BOS] file <|sep|> line line ..." (tasks.recall_row), trained only on the
     figure part of each line after <|sep|>: the label is given, its figure must be found.
-    For --recall-mix, an experiment for issue 7's document task, off by default."""
+    For --recall-mix, an experiment for issue 7's document task, off by default. Also returns
+    where the lookup itself is: True at each position that predicts a figure's first digit
+    (the id no separator before it gives away; recall_probe scores these)."""
     enc = tok.encoding.encode_ordinary
     rows = []
     for _ in range(n_seqs):
         text, lines = tasks.recall_row(rng)
-        row, trained = [bos] + enc(text) + [sep], []
+        row, trained, lookups = [bos] + enc(text) + [sep], [], []
         for head, tail in lines:
             row += enc(head)
             ids = enc(tail)
             trained += range(len(row), len(row) + len(ids))
+            before = enc(tail[: next(i for i, ch in enumerate(tail) if ch.isdigit())])  # ": " or ","
+            lookups.append(len(row) + len(before))
             row += ids
-        rows.append((row, trained))
-    t = max(len(r) for r, _ in rows)
+        rows.append((row, trained, lookups))
+    t = max(len(r) for r, _, _ in rows)
     ids = torch.full((n_seqs, t), pad, dtype=torch.long)
     target = torch.full((n_seqs, t), -100, dtype=torch.long)
-    for r, (row, trained) in enumerate(rows):
+    lookup = torch.zeros((n_seqs, t), dtype=torch.bool)
+    for r, (row, trained, firsts) in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row)
         for k in trained:                    # id k is predicted at position k-1
             target[r, k - 1] = row[k]
-    return ids, target
+        for k in firsts:
+            lookup[r, k - 1] = True
+    return ids, target, lookup
 
 
 # --------------------------------------------------------------------------- training
@@ -473,7 +480,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             copy_history.append(float(closs.detach()))
             loss = loss + closs
         if recall_mix and step >= copy_warmup and step - copy_warmup < (recall_mix_until or steps):
-            rids, rtarget = recall_batch(torch, recall_rng, tok, bos, sep, pad, recall_mix)
+            rids, rtarget, _ = recall_batch(torch, recall_rng, tok, bos, sep, pad, recall_mix)
             rscored = rtarget != -100
             rloss = torch.nn.functional.cross_entropy(model(rids, [], rows=rscored).float(), rtarget[rscored])
             recall_history.append(float(rloss.detach()))
