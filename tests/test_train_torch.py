@@ -564,3 +564,22 @@ def test_recall_probe_reports_lookup_accuracy_per_learning_rate(tmp_path: Path) 
         assert 0.0 <= run["final_lookup_accuracy"] <= 1.0 and run["final_loss"] > 0
     assert oct(out.stat().st_mode & 0o777) == "0o600"
 
+
+
+def test_compiled_kernels_allow_more_graphs_than_dynamos_default() -> None:
+    """Past dynamo's recompile limit (8 by default) a compiled piece silently runs eager for each
+    new variant; a train-demo --copy-mix run met more than 8 for attn_res and rmsnorm."""
+    import torch._dynamo
+
+    from k3engine.train.model import Kernels
+
+    cfg = torch._dynamo.config
+    before = cfg.recompile_limit
+    try:
+        cfg.recompile_limit = 8
+        Kernels(compiled=False)
+        assert cfg.recompile_limit == 8                 # eager leaves dynamo alone
+        Kernels(compiled=True)
+        assert cfg.recompile_limit >= Kernels.RECOMPILE_LIMIT >= 32
+    finally:
+        cfg.recompile_limit = before
