@@ -85,7 +85,7 @@ _TRAIN_DEFAULTS: dict[str, Any] = {
     "threads": 2, "tie_embeddings": False, "copy_warmup": 0, "copy_mix": 0, "copy_mix_from": 0,
     "copy_mix_until": 0, "copy_words_only": False, "count_weight": 1.0, "sign_by_places": False, "mix": {},
     "count_decisions": False, "count_letter_alone": False, "doc_labels_first": False,
-    "off_steps_by_place": False, "recall_mix": 0, "recall_mix_until": 0, "compile": False}
+    "off_steps_by_place": False, "recall_mix": 0, "recall_mix_until": 0, "compile": False, "ffn_lr": 1.0}
 
 
 def test_the_readme_retrain_command_is_the_recipe_the_shipped_demo_was_trained_with(demo_dir: Path) -> None:

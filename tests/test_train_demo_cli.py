@@ -33,6 +33,9 @@ from k3chat.demo import train
     (["--count-weight", "0.5"], "--count-weight must be from 1 to 1000, not 0.5"),
     (["--count-weight", "nan"], "--count-weight must be from 1 to 1000, not nan"),
     (["--count-weight", "1e9"], "--count-weight must be from 1 to 1000"),
+    (["--ffn-lr", "0"], "--ffn-lr must be a fraction of --lr above 0 and at most 1, not 0.0"),
+    (["--ffn-lr", "1.5"], "--ffn-lr must be a fraction"),
+    (["--ffn-lr", "nan"], "--ffn-lr must be a fraction"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +93,9 @@ def test_compile_where_torch_compile_cannot_build_is_refused_before_any_data(
 
 
 @pytest.mark.parametrize("argv, says", [(["--lr", "fast"], "--lr must be"), (["--lr", "0"], "--lr must be"),
-                                        (["--steps", "0"], "must be >= 1")])
+                                        (["--steps", "0"], "must be >= 1"),
+                                        (["--ffn-lr", "0"], "--ffn-lr must be a fraction"),
+                                        (["--ffn-lr", "2"], "--ffn-lr must be a fraction")])
 def test_recall_probe_refuses_bad_arguments(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before torch is needed (the probe is for machines with it), exit 2, saying which."""
     from k3chat.demo import recall_probe

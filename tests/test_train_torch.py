@@ -404,6 +404,57 @@ def test_recall_mix_adds_its_own_loss_and_stops_at_its_step(tmp_path: Path) -> N
     assert meta[4]["loss_every_50"] != meta[0]["loss_every_50"]       # the update had its gradient
 
 
+def test_ffn_lr_puts_exactly_the_feed_forward_weights_apart_and_1_keeps_the_old_groups() -> None:
+    """At 1 the groups are the two every earlier run had (matrices decaying, the rest not, the
+    router's bias frozen), in the same order; at 0.25 the dense MLP's, routers' and experts'
+    weights, and only they, sit in groups at a quarter of the rate, each weight once."""
+    from k3chat.demo.train import DEMO_PRESET, param_groups
+    from k3engine.train.model import K3Torch
+
+    model = K3Torch(DEMO_PRESET, 300, seed=0)
+    named = [(n, p) for n, p in model.named_weights() if not n.endswith("e_score_correction_bias")]
+    decay = [p for n, p in named if p.ndim >= 2 and "conv1d" not in n]
+    plain = [p for n, p in named if not (p.ndim >= 2 and "conv1d" not in n)]
+    old = param_groups(model, 1.0)
+    assert [[id(p) for p in g["params"]] for g in old] == [[id(p) for p in decay], [id(p) for p in plain]]
+    assert [(g["weight_decay"], g["lr_scale"]) for g in old] == [(0.01, 1.0), (0.0, 1.0)]
+    scaled = {id(p): g["lr_scale"] for g in param_groups(model, 0.25) for p in g["params"]}
+    assert len(scaled) == len(named) == sum(len(g["params"]) for g in param_groups(model, 0.25))
+    ffn = {n for n, _ in named if ".mlp." in n or ".block_sparse_moe." in n}
+    assert any(".experts.w1" in n for n in ffn) and any("layers.0.mlp.gate_proj" in n for n in ffn)
+    assert all(scaled[id(p)] == (0.25 if n in ffn else 1.0) for n, p in named)
+    assert not any("attn" in n for n in ffn)
+
+
+def test_ffn_lr_is_applied_in_the_training_loop(tmp_path: Path) -> None:
+    """A 1-step run at --ffn-lr 1e-6 writes layer 0's dense MLP weights as the untrained model
+    has them while its attention weights move; at 1 both move (Adam's first step moves each
+    weight by about the rate, 3e-3 here, well past BF16's rounding of these weights)."""
+    import json
+
+    from safetensors import safe_open
+
+    from k3chat.demo.train import DEMO_PRESET, train
+
+    ffn_w, attn_w = "language_model.model.layers.0.mlp.up_proj.weight", "language_model.model.layers.0.self_attn.q_proj.weight"
+    share_moved = {}
+    for ffn in (1.0, 1e-6):
+        out = tmp_path / f"f{ffn}"
+        meta = train(out, steps=1, seed=3, conversations=20, batch_tokens=256, lr=3e-3, threads=1,
+                     resume=False, ffn_lr=ffn)
+        assert json.loads((out / "training.json").read_text())["ffn_lr"] == ffn == meta["ffn_lr"]
+        vocab = json.loads((out / "config.json").read_text())["text_config"]["vocab_size"]
+        untrained = dict(K3Torch(DEMO_PRESET, vocab, seed=3).named_weights())
+        written = {}
+        for shard in out.glob("model-*.safetensors"):
+            with safe_open(str(shard), framework="pt") as f:
+                written.update({k: f.get_tensor(k) for k in f.keys() if k in (ffn_w, attn_w)})
+        share_moved[ffn] = {k: float((written[k] != untrained[k].detach().to(written[k].dtype)).float().mean())
+                            for k in (ffn_w, attn_w)}
+    assert share_moved[1.0][ffn_w] > 0.5 and share_moved[1.0][attn_w] > 0.5, share_moved
+    assert share_moved[1e-6][ffn_w] < 0.01 and share_moved[1e-6][attn_w] > 0.5, share_moved
+
+
 def test_count_weight_weighs_only_the_decisions_and_logs_the_plain_loss(tmp_path: Path) -> None:
     """decision_weights puts W where collate puts the target of a decision id (one position
     before it) and 1 elsewhere; a one-step run logs the same (unweighted) loss with and
@@ -563,6 +614,28 @@ def test_recall_probe_reports_lookup_accuracy_per_learning_rate(tmp_path: Path) 
         assert len(run["lookup_accuracy_every_25"]) == 1
         assert 0.0 <= run["final_lookup_accuracy"] <= 1.0 and run["final_loss"] > 0
     assert oct(out.stat().st_mode & 0o777) == "0o600"
+    assert res["ffn_lr"] == 1.0 and "feed-forward" not in recall_probe.format_report(res)
+
+
+def test_recall_probe_ffn_lr_scales_exactly_the_feed_forward_weights(tmp_path: Path) -> None:
+    """--ffn-lr 0.5: every weight once, the dense MLP's, routers' and experts' at half the
+    rate and the rest at the rate; the report and the JSON say so."""
+    import json
+
+    from k3chat.demo import recall_probe
+    from k3chat.demo.train import DEMO_PRESET
+
+    model = K3Torch(DEMO_PRESET, 300, seed=0)
+    scale = {id(p): g["lr_scale"] for g in recall_probe._groups(model, 0.5) for p in g["params"]}
+    assert len(scale) == len(list(model.parameters()))
+    for name, p in model.named_weights():
+        assert scale[id(p)] == (0.5 if ".mlp." in name or ".block_sparse_moe." in name else 1.0), name
+    out = tmp_path / "probe.json"
+    assert recall_probe.main(["--lr", "1e-3", "--ffn-lr", "0.5", "--steps", "2", "--rows", "2",
+                              "--threads", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ffn_lr"] == 0.5 and res["runs"][0]["ffn_lr"] == 0.5
+    assert "feed-forward weights at 0.5 of the rate" in recall_probe.format_report(res)
 
 
 

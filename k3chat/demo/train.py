@@ -312,13 +312,39 @@ class ResumeRefused(ValueError):
 
 # recipe keys newer than some saved states, with the value every run before them had
 RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False,
-                                           "recall_mix": 0, "recall_mix_until": 0, "compile": False}
+                                           "recall_mix": 0, "recall_mix_until": 0, "compile": False,
+                                           "ffn_lr": 1.0}
+
+
+def is_ffn_weight(name: str) -> bool:
+    """The feed-forward weights --ffn-lr scales: layer 0's dense MLP and every MoE layer's
+    router, shared and routed experts (not the AttnRes mix in front of them)."""
+    return ".mlp." in name or ".block_sparse_moe." in name
+
+
+def param_groups(model: Any, ffn_lr: float = 1.0) -> list[dict[str, Any]]:
+    """AdamW's groups: matrices decay, vectors and convolutions do not; with ``ffn_lr`` other
+    than 1 the feed-forward weights get groups of their own at that share of the rate. At 1
+    the groups are the two every run before --ffn-lr had, so such a run is unchanged."""
+    groups: dict[tuple[bool, float], list[Any]] = {}
+    seen: set[int] = set()
+    for name, p in model.named_weights():
+        if id(p) in seen:                    # the tied lm_head is the embedding's parameter
+            continue
+        seen.add(id(p))
+        if name.endswith("e_score_correction_bias"):
+            p.requires_grad_(False)          # moved by load balancing, not by gradients
+            continue
+        scale = ffn_lr if is_ffn_weight(name) else 1.0
+        groups.setdefault((p.ndim >= 2 and "conv1d" not in name, scale), []).append(p)
+    order = sorted(groups, key=lambda k: (k[1] != 1.0, not k[0]))   # decay, plain; then the scaled ones
+    return [{"params": groups[k], "weight_decay": 0.01 if k[0] else 0.0, "lr_scale": k[1]} for k in order]
 
 
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
                tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
                copy_words_only: bool, count_weight: float, recall_mix: int = 0,
-               recall_mix_until: int = 0, compiled: bool = False) -> dict[str, Any]:
+               recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0) -> dict[str, Any]:
     """Everything that shapes a run's data, schedule and loss, with the training text's
     options (TextStyle). Not ``--threads``, which only changes the rounding; ``--compile``
     does too, but in every step's every norm, so a run is not resumed across it."""
@@ -328,6 +354,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
             "copy_words_only": copy_words_only, "count_weight": count_weight,
             "recall_mix": recall_mix, "recall_mix_until": recall_mix_until, "compile": compiled,
+            "ffn_lr": ffn_lr,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place}
@@ -364,7 +391,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
           final_lr: float = 0.1, count_weight: float = 1.0, recall_mix: int = 0,
-          recall_mix_until: int = 0, compiled: bool = False) -> dict[str, Any]:
+          recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -373,7 +400,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
                         lr=lr, final_lr=final_lr, tie_embeddings=tie_embeddings, copy_warmup=copy_warmup,
                         copy_mix=copy_mix, copy_mix_from=copy_mix_from, copy_mix_until=copy_mix_until,
                         copy_words_only=copy_words_only, count_weight=count_weight,
-                        recall_mix=recall_mix, recall_mix_until=recall_mix_until, compiled=compiled)
+                        recall_mix=recall_mix, recall_mix_until=recall_mix_until, compiled=compiled,
+                        ffn_lr=ffn_lr)
     state_path = out / "train_state.pt"
     resumed = load_resume_state(torch, state_path, recipe) if resume else None
     torch.manual_seed(seed)
@@ -400,19 +428,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
     model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings, compiled=compiled)
     if compiled:
         _log("compiled pieces (torch.compile): the first steps of each new shape compile, then run faster")
-    decay, plain, seen = [], [], set()
-    for name, p in model.named_weights():
-        if id(p) in seen:                    # the tied lm_head is the embedding's parameter
-            continue
-        seen.add(id(p))
-        if name.endswith("e_score_correction_bias"):
-            p.requires_grad_(False)          # moved by load balancing, not by gradients
-        elif p.ndim >= 2 and "conv1d" not in name:
-            decay.append(p)
-        else:
-            plain.append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, ffn_lr), lr=lr, betas=(0.9, 0.95), eps=1e-8)
     start_step, history = 0, []
     if resumed is not None:
         model.load_state_dict(resumed["model"])
@@ -456,7 +472,7 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
             cur_lr = lr * ramp * cosine_factor(frac, final_lr)
             ids, target = collate(torch, seqs, batches[j], pad)
         for g in opt.param_groups:
-            g["lr"] = cur_lr
+            g["lr"] = cur_lr * g.get("lr_scale", 1.0)   # (a state saved before --ffn-lr has none)
         loads: list[Any] = []
         scored = target != -100
         logits = model(ids, loads, rows=scored)
@@ -732,6 +748,10 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--count-weight", type=float, default=1.0, metavar="W",
                     help="the loss on each counting decision (the id after a spelled letter: its "
                          "mark or its newline) weighs W ids (default 1; an experiment)")
+    ap.add_argument("--ffn-lr", type=float, default=1.0, metavar="FRACTION",
+                    help="the feed-forward weights (dense MLP, router, shared and routed experts) "
+                         "learn at FRACTION of the rate (default 1; an experiment: python -m "
+                         "k3chat.demo.recall_probe --ffn-lr)")
     ap.add_argument("--compile", action="store_true",
                     help="run the forward pass's norms, Block AttnRes and gated units through "
                          "torch.compile (needs a C++ compiler) and MLA through torch's fused "
@@ -766,6 +786,8 @@ def main(argv: Sequence[str]) -> int:
     bad += why
     if not 0 <= args.final_lr <= 1:
         bad.append(f"--final-lr must be a fraction of --lr from 0 to 1, not {args.final_lr}")
+    if not 0 < args.ffn_lr <= 1:
+        bad.append(f"--ffn-lr must be a fraction of --lr above 0 and at most 1, not {args.ffn_lr}")
     if not 1 <= args.count_weight <= 1000:
         bad.append(f"--count-weight must be from 1 to 1000, not {args.count_weight}")
     if bad or not args.lr > 0:
@@ -789,7 +811,8 @@ def main(argv: Sequence[str]) -> int:
                              copy_mix_from=args.copy_mix_from, copy_words_only=args.copy_words_only,
                              copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
                              count_weight=args.count_weight, recall_mix=args.recall_mix,
-                             recall_mix_until=args.recall_mix_until, compiled=args.compile)
+                             recall_mix_until=args.recall_mix_until, compiled=args.compile,
+                             ffn_lr=args.ffn_lr)
         except ResumeRefused as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
