@@ -310,10 +310,44 @@ class ResumeRefused(ValueError):
     """``--resume`` cannot continue this run: no state, an unreadable one, or another recipe."""
 
 
+class InitRefused(ValueError):
+    """``--init-from`` cannot start from that directory: not a checkpoint train-demo wrote."""
+
+
 # recipe keys newer than some saved states, with the value every run before them had
 RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False,
                                            "recall_mix": 0, "recall_mix_until": 0, "compile": False,
-                                           "ffn_lr": 1.0}
+                                           "ffn_lr": 1.0, "init_from": None}
+
+# what a continued run (--init-from) records of the run it starts from: its recipe and its time
+INIT_SOURCE_KEYS = ("seed", "steps", "lr", "final_lr", "copy_mix", "copy_mix_until", "copy_words_only",
+                    "compile", "threads", "train_seconds", "train_seconds_total", "init_from")
+
+
+def read_init_source(src: Path, out: Path) -> dict[str, Any]:
+    """What ``--init-from SRC`` starts from, checked before any data is made: a directory that
+    train-demo wrote (its training.json, config, tokenizer and shards), not the output itself."""
+    if not src.is_dir():
+        raise InitRefused(f"--init-from: {src} is not a directory; give a checkpoint directory that "
+                          "train-demo wrote (as k3chat/demo/k3chat-demo)")
+    if out.exists() and src.resolve() == out.resolve():
+        raise InitRefused(f"--init-from: {src} is also --out; the run would overwrite the weights it "
+                          "starts from; give another --out")
+    missing = [n for n in ("training.json", "config.json", "tiktoken.model", "tokenizer_config.json",
+                           "model.safetensors.index.json") if not (src / n).is_file()]
+    if missing:
+        raise InitRefused(f"--init-from: {src} has no {', '.join(missing)}: it is not a checkpoint "
+                          "train-demo wrote")
+    try:
+        meta = json.loads((src / "training.json").read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("train_seconds"), (int, float)):
+            raise ValueError("no train_seconds")
+    except (OSError, ValueError) as exc:
+        raise InitRefused(f"--init-from: {src / 'training.json'} cannot be read ({exc}); it is damaged "
+                          "or not train-demo's") from exc
+    source = {k: meta.get(k) for k in INIT_SOURCE_KEYS}
+    source["train_seconds_total"] = meta.get("train_seconds_total") or meta["train_seconds"]
+    return source
 
 
 def is_ffn_weight(name: str) -> bool:
@@ -344,7 +378,8 @@ def param_groups(model: Any, ffn_lr: float = 1.0) -> list[dict[str, Any]]:
 def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, lr: float, final_lr: float,
                tie_embeddings: bool, copy_warmup: int, copy_mix: int, copy_mix_from: int, copy_mix_until: int,
                copy_words_only: bool, count_weight: float, recall_mix: int = 0,
-               recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0) -> dict[str, Any]:
+               recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0,
+               init_from: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything that shapes a run's data, schedule and loss, with the training text's
     options (TextStyle). Not ``--threads``, which only changes the rounding; ``--compile``
     does too, but in every step's every norm, so a run is not resumed across it."""
@@ -354,7 +389,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "copy_mix": copy_mix, "copy_mix_from": copy_mix_from, "copy_mix_until": copy_mix_until,
             "copy_words_only": copy_words_only, "count_weight": count_weight,
             "recall_mix": recall_mix, "recall_mix_until": recall_mix_until, "compile": compiled,
-            "ffn_lr": ffn_lr,
+            "ffn_lr": ffn_lr, "init_from": init_from,
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place}
@@ -391,7 +426,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
           threads: int, resume: bool, tie_embeddings: bool = False, copy_warmup: int = 0,
           copy_mix: int = 0, copy_mix_from: int = 0, copy_mix_until: int = 0, copy_words_only: bool = False,
           final_lr: float = 0.1, count_weight: float = 1.0, recall_mix: int = 0,
-          recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0) -> dict[str, Any]:
+          recall_mix_until: int = 0, compiled: bool = False, ffn_lr: float = 1.0,
+          init_from: Path | None = None) -> dict[str, Any]:
     from k3engine.train import require_torch
     from k3engine.train.model import K3Torch
 
@@ -401,16 +437,24 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
                         copy_mix=copy_mix, copy_mix_from=copy_mix_from, copy_mix_until=copy_mix_until,
                         copy_words_only=copy_words_only, count_weight=count_weight,
                         recall_mix=recall_mix, recall_mix_until=recall_mix_until, compiled=compiled,
-                        ffn_lr=ffn_lr)
+                        ffn_lr=ffn_lr, init_from=read_init_source(init_from, out) if init_from else None)
     state_path = out / "train_state.pt"
     resumed = load_resume_state(torch, state_path, recipe) if resume else None
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     make_private_dirs(out)
     t0 = time.time()
-    tok = build_tokenizer(out, seed)
+    if init_from:        # the weights' own tokenizer: one learnt anew could number the pieces otherwise
+        from k3chat.tokenizer import Tokenizer
+
+        for name in ("tiktoken.model", "tokenizer_config.json"):
+            write_private(out / name, (init_from / name).read_bytes())
+        tok = Tokenizer.from_dir(out)
+        _log(f"tokenizer: {init_from}'s, {tok.n_ranks} ranks + 256 specials")
+    else:
+        tok = build_tokenizer(out, seed)
+        _log(f"tokenizer: {tok.n_ranks} ranks + 256 specials ({time.time() - t0:.1f} s)")
     vocab = tok.vocab_size
-    _log(f"tokenizer: {tok.n_ranks} ranks + 256 specials ({time.time() - t0:.1f} s)")
 
     rng = random.Random(seed)
     convs = [tasks.training_conversation(rng) for _ in range(conversations)]
@@ -426,6 +470,13 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         _log(f"count weight {count_weight}: {sum(map(len, decisions)):,} counting decisions weighted")
 
     model = K3Torch(DEMO_PRESET, vocab, seed=seed, tie_embeddings=tie_embeddings, compiled=compiled)
+    if init_from:        # the stored values (BF16 trunk, decoded MXFP4 experts) as the master weights
+        try:
+            model.load_checkpoint(init_from)
+        except Exception as exc:  # noqa: BLE001 (a damaged shard or another shape, in many kinds)
+            raise InitRefused(f"--init-from: {init_from}'s weights cannot be loaded into the demo's shape "
+                              f"({type(exc).__name__}: {exc})") from exc
+        _log(f"weights: from {init_from} (trained {recipe['init_from']['train_seconds_total']:.0f} s)")
     if compiled:
         _log("compiled pieces (torch.compile): the first steps of each new shape compile, then run faster")
     opt = torch.optim.AdamW(param_groups(model, ffn_lr), lr=lr, betas=(0.9, 0.95), eps=1e-8)
@@ -533,6 +584,8 @@ def train(out: Path, *, steps: int, seed: int, conversations: int, batch_tokens:
         "recall_loss_every_50": [round(sum(recall_history[i:i + 50]) / len(recall_history[i:i + 50]), 4)
                                  for i in range(0, len(recall_history), 50)],
         "train_seconds": round(train_seconds, 1),
+        # with --init-from, the time of every run the weights went through, this one included
+        "train_seconds_total": round(train_seconds + (recipe["init_from"] or {}).get("train_seconds_total", 0), 1),
         "total_seconds": round(time.time() - t0, 1), "tokens": n_tok, "trained_tokens": n_trained,
         "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
         "loss_every_50": [round(sum(history[i:i + 50]) / len(history[i:i + 50]), 4)
@@ -758,6 +811,10 @@ def main(argv: Sequence[str]) -> int:
                          "attention: steps about 1.25 times as fast on 2 cores (python -m "
                          "k3chat.demo.step_bench); the same model up to rounding, so another model "
                          "than the same run without it")
+    ap.add_argument("--init-from", default=None, metavar="SRC",
+                    help="start from the weights and tokenizer of the checkpoint train-demo wrote in "
+                         "SRC rather than from random ones (the schedule and text are this run's; "
+                         "training.json records SRC's recipe and counts both runs' time)")
     ap.add_argument("--resume", action="store_true", help="continue from DIR/train_state.pt")
     ap.add_argument("--record-only", action="store_true", help="only (re)write prompts.jsonl")
     try:
@@ -812,8 +869,8 @@ def main(argv: Sequence[str]) -> int:
                              copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
                              count_weight=args.count_weight, recall_mix=args.recall_mix,
                              recall_mix_until=args.recall_mix_until, compiled=args.compile,
-                             ffn_lr=args.ffn_lr)
-        except ResumeRefused as exc:
+                             ffn_lr=args.ffn_lr, init_from=Path(args.init_from) if args.init_from else None)
+        except (ResumeRefused, InitRefused) as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
         _log(f"trained in {meta['train_seconds']:.0f} s, final loss {meta['final_loss']:.4f}")
