@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +103,58 @@ def test_recall_probe_refuses_bad_arguments(argv: list[str], says: str, capsys: 
 
     assert recall_probe.main(argv) == 2
     assert says in capsys.readouterr().err
+
+
+def _checkpoint_like(d: Path, training: str = '{"seed": 0, "steps": 2500, "train_seconds": 3000.5}') -> Path:
+    d.mkdir(parents=True)
+    for name in ("config.json", "tiktoken.model", "tokenizer_config.json", "model.safetensors.index.json"):
+        (d / name).write_text("{}")
+    (d / "training.json").write_text(training)
+    return d
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda t: t / "nowhere", "is not a directory; give a checkpoint directory that train-demo wrote"),
+    (lambda t: (t / "empty").mkdir() or t / "empty",
+     "has no training.json, config.json, tiktoken.model, tokenizer_config.json, model.safetensors.index.json"),
+    (lambda t: _checkpoint_like(t / "cut", '{"seed": 0, "ste'), "training.json cannot be read"),
+    (lambda t: _checkpoint_like(t / "other", '{"seed": 0}'), "training.json cannot be read (no train_seconds)"),
+    (lambda t: _checkpoint_like(t / "listed", "[1, 2]"), "cannot be read"),
+])
+def test_init_from_what_train_demo_did_not_write_is_refused_before_any_data(
+        make: Any, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make(tmp_path)
+    assert train.main(["--out", str(tmp_path / "m"), "--init-from", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from: {src}" in err and said in err
+    assert not (tmp_path / "m").exists()            # nothing written
+
+
+def test_init_from_its_own_output_is_refused_and_left_as_it_was(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    src = _checkpoint_like(tmp_path / "src")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert train.main(["--out", str(src), "--init-from", str(tmp_path / "." / "src")]) == 2
+    assert "is also --out; the run would overwrite the weights it starts from" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_init_from_records_the_source_recipe_and_its_time() -> None:
+    """What a continued run keeps of the run it starts from: its recipe, and the time of every
+    run behind its weights (a source that was itself continued counts its own sources)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        plain = _checkpoint_like(Path(t) / "plain", json.dumps(
+            {"seed": 0, "steps": 2500, "lr": 0.003, "copy_mix": 32, "train_seconds": 3484.5, "tokens": 9}))
+        source = train.read_init_source(plain, Path(t) / "out")
+        assert source["seed"] == 0 and source["steps"] == 2500 and source["copy_mix"] == 32
+        assert source["train_seconds"] == source["train_seconds_total"] == 3484.5
+        assert "tokens" not in source
+        # keys this older training.json predates are what it ran with: the defaults, not None
+        assert source["compile"] is False and source["init_from"] is None
+        again = _checkpoint_like(Path(t) / "again", json.dumps(
+            {"steps": 300, "train_seconds": 600.0, "train_seconds_total": 4084.5, "init_from": source}))
+        chained = train.read_init_source(again, Path(t) / "out")
+        assert chained["train_seconds_total"] == 4084.5 and chained["init_from"]["steps"] == 2500

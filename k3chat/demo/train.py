@@ -345,6 +345,7 @@ def read_init_source(src: Path, out: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise InitRefused(f"--init-from: {src / 'training.json'} cannot be read ({exc}); it is damaged "
                           "or not train-demo's") from exc
+    meta = {**RECIPE_KEYS_ADDED_LATER, **meta}     # an older run's training.json lacks what it left at default
     source = {k: meta.get(k) for k in INIT_SOURCE_KEYS}
     source["train_seconds_total"] = meta.get("train_seconds_total") or meta["train_seconds"]
     return source
@@ -857,6 +858,13 @@ def main(argv: Sequence[str]) -> int:
                   "C++ compiler (g++), or train without --compile", file=sys.stderr)
             return 2
     out = Path(args.out)
+    init_from = Path(args.init_from) if args.init_from else None
+    if init_from and not args.record_only:     # refused before torch is needed or any data made
+        try:
+            read_init_source(init_from, out)
+        except InitRefused as exc:
+            print(f"k3chat train-demo: {exc}", file=sys.stderr)
+            return 2
     style = tasks.TextStyle(weights=weights, **{field: getattr(args, field) for field in TEXT_SWITCHES})
     if not args.record_only:
         try:
@@ -869,7 +877,7 @@ def main(argv: Sequence[str]) -> int:
                              copy_mix_until=args.copy_mix_until, final_lr=args.final_lr,
                              count_weight=args.count_weight, recall_mix=args.recall_mix,
                              recall_mix_until=args.recall_mix_until, compiled=args.compile,
-                             ffn_lr=args.ffn_lr, init_from=Path(args.init_from) if args.init_from else None)
+                             ffn_lr=args.ffn_lr, init_from=init_from)
         except (ResumeRefused, InitRefused) as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
