@@ -580,6 +580,54 @@ def test_resume_refuses_another_recipe_a_missing_state_and_a_damaged_one(
     assert "has no opt, history, recipe" in capsys.readouterr().err
 
 
+def test_init_from_starts_from_the_checkpoints_weights_and_tokenizer(tmp_path: Path) -> None:
+    """--init-from trains on from the weights a run wrote: at a rate too small to move them,
+    the second run writes the first one's tensors back (router biases, which the balancing
+    moves by 1e-3 a step whatever the rate, within that), with its tokenizer as it was, and
+    training.json counts both runs' time. Started from random weights instead, the same
+    run's tensors are far from them, so the check can fail."""
+    import json
+
+    from k3chat.demo.train import train
+    from k3engine import mxfp4
+    from k3engine.oracle import Checkpoint
+
+    opts = dict(seed=5, conversations=30, batch_tokens=256, threads=1, resume=False)
+    first = train(tmp_path / "a", steps=3, lr=1e-3, **opts)
+    again = train(tmp_path / "b", steps=2, lr=1e-12, init_from=tmp_path / "a", **opts)
+    fresh = train(tmp_path / "c", steps=2, lr=1e-12, **dict(opts, seed=6))
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    a, b, c = (Checkpoint(tmp_path / d) for d in "abc")
+    names = [n for n in a.names() if not n.endswith("e_score_correction_bias")]
+    assert len(names) > 50
+
+    def value(ck: Checkpoint, n: str) -> np.ndarray:
+        # an expert matrix by its decoded values: a group whose largest value decoded to 3 times
+        # its scale is written again at half the scale, the same values in other bytes
+        if n.endswith(".weight_scale"):
+            n = n[: -len("scale")] + "packed"
+        if n.endswith(".weight_packed"):
+            return mxfp4.decode(ck.tensor(n), ck.tensor(n[: -len("packed")] + "scale"))[0]
+        return ck.tensor(n)
+
+    for n in names:     # F32 tensors (the short convolutions) near 0 do move by the 1e-12 steps
+        assert np.allclose(value(a, n), value(b, n), rtol=0, atol=1e-9), n
+    for n in a.names():
+        if n.endswith("e_score_correction_bias"):
+            # two balancing steps of 1e-3, then the stored rounding
+            assert np.abs(a.tensor(n).astype(np.float64) - b.tensor(n)).max() <= 2.1e-3, n
+    def far(x: np.ndarray, y: np.ndarray) -> bool:     # (a tokenizer learnt anew may differ in size)
+        return x.shape != y.shape or not np.allclose(x, y, rtol=0, atol=1e-3)
+
+    assert sum(far(value(a, n), value(c, n)) for n in names) > len(names) // 2
+    assert again["init_from"]["seed"] == 5 and again["init_from"]["steps"] == 3
+    assert again["train_seconds_total"] == round(again["train_seconds"] + first["train_seconds"], 1)
+    assert fresh["init_from"] is None and fresh["train_seconds_total"] == fresh["train_seconds"]
+    assert json.loads((tmp_path / "b" / "training.json").read_text())["init_from"]["train_seconds"] == \
+        first["train_seconds"]
+
+
 def test_step_bench_times_both_sides_and_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark behind README's --compile ratio runs end to end on a tiny budget and
     writes what it printed (no speed is asserted: only that both sides were timed)."""
