@@ -158,3 +158,19 @@ def test_init_from_records_the_source_recipe_and_its_time() -> None:
             {"steps": 300, "train_seconds": 600.0, "train_seconds_total": 4084.5, "init_from": source}))
         chained = train.read_init_source(again, Path(t) / "out")
         assert chained["train_seconds_total"] == 4084.5 and chained["init_from"]["steps"] == 2500
+        # the training text's options are kept too: a chain of three runs is retrained from them
+        styled = _checkpoint_like(Path(t) / "styled", json.dumps(
+            {"steps": 300, "off_steps_by_place": True, "mix": {"count": 0.14}, "ffn_lr": 0.1,
+             "train_seconds": 563.1, "train_seconds_total": 4047.6, "init_from": source}))
+        kept = train.read_init_source(styled, Path(t) / "out")
+        assert kept["off_steps_by_place"] is True and kept["mix"] == {"count": 0.14} and kept["ffn_lr"] == 0.1
+        assert kept["sign_by_places"] is None and kept["init_from"]["copy_mix"] == 32
+
+
+def test_a_continued_run_records_every_option_of_its_source_recipe() -> None:
+    """Each key of a run's recipe is one INIT_SOURCE_KEYS keeps, so an option added later
+    cannot silently drop out of what a continued run records of its source."""
+    recipe = train.run_recipe(steps=1, seed=0, conversations=1, batch_tokens=1, lr=1.0, final_lr=0.1,
+                              tie_embeddings=False, copy_warmup=0, copy_mix=0, copy_mix_from=0,
+                              copy_mix_until=0, copy_words_only=False, count_weight=1.0)
+    assert set(recipe) <= set(train.INIT_SOURCE_KEYS), set(recipe) - set(train.INIT_SOURCE_KEYS)

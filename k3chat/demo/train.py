@@ -319,9 +319,13 @@ RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps
                                            "recall_mix": 0, "recall_mix_until": 0, "compile": False,
                                            "ffn_lr": 1.0, "init_from": None}
 
-# what a continued run (--init-from) records of the run it starts from: its recipe and its time
-INIT_SOURCE_KEYS = ("seed", "steps", "lr", "final_lr", "copy_mix", "copy_mix_until", "copy_words_only",
-                    "compile", "threads", "train_seconds", "train_seconds_total", "init_from")
+# what a continued run (--init-from) records of the run it starts from: its whole recipe (the
+# training text's options too: a chain of runs is retrained from this record) and its time
+INIT_SOURCE_KEYS = ("seed", "steps", "conversations", "batch_tokens", "lr", "final_lr", "tie_embeddings",
+                    "copy_warmup", "copy_mix", "copy_mix_from", "copy_mix_until", "copy_words_only",
+                    "count_weight", "recall_mix", "recall_mix_until", "compile", "ffn_lr", "sign_by_places",
+                    "mix", "count_decisions", "count_letter_alone", "doc_labels_first", "off_steps_by_place",
+                    "threads", "train_seconds", "train_seconds_total", "init_from")
 
 
 def read_init_source(src: Path, out: Path) -> dict[str, Any]:
