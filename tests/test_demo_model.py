@@ -134,7 +134,6 @@ def test_the_readme_retrain_command_is_the_recipe_the_shipped_demo_was_trained_w
         if source is None:
             break
         out, recorded = init_from, source
-    assert runs >= 1
 
 
 def test_recorded_prompts_re_render_from_their_messages(recorded: list[dict[str, Any]], tok: Tokenizer) -> None:
