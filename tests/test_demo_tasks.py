@@ -350,6 +350,50 @@ def test_doc_labels_first_names_the_asked_labels_before_quoting_the_file() -> No
     assert named and generic
 
 
+def test_doc_walk_copies_the_file_in_order_and_marks_the_asked_lines() -> None:
+    """With --doc-walk a question about a file is worked by copying every figure line of the
+    file in the file's order (read here from the question's attachment), marking the line the
+    question names first "first" and the other asked one "second" (the file's order when the
+    question names none), then "So a op b." with those lines' figures; the default is unchanged."""
+    line_re = re.compile(r"(?:- )?([A-Z][a-z]*(?: [AB])?)[,:] ?(\d+)")
+    named = generic = 0
+    for style in (tasks.TextStyle(), tasks.TextStyle(doc_walk=True)):
+        rng = random.Random(29)
+        for _ in range(200):
+            with tasks.text_style(style):
+                _, make = tasks.document(rng)
+                t = make()
+            body = t.question.split("====\n", 1)[1].split("\n==== end of attachment", 1)[0]
+            file_lines = [ln for ln in body.splitlines() if line_re.fullmatch(ln)]
+            q = t.question.rsplit("\n", 1)[-1]
+            asked = sorted((q.find(m.group(1)), m.group(1)) for ln in file_lines
+                           if (m := line_re.fullmatch(ln)) and re.search(rf"\b{m.group(1)}\b", q))
+            for effort, text in t.reasoning.items():
+                if not style.doc_walk:
+                    assert text.startswith("The lines in the file\n") and "line by line" not in text, text
+                    continue
+                head, rest = text.split("\nSo ", 1)
+                lines = head.splitlines()
+                assert lines[0] == "The file, line by line:", text
+                walk = lines[1:]
+                assert [ln.split(" is the ")[0] for ln in walk] == file_lines, (body, text)
+                first = [ln.split(" is the ")[0] for ln in walk if ln.endswith(" is the first number.")]
+                second = [ln.split(" is the ")[0] for ln in walk if ln.endswith(" is the second number.")]
+                assert len(first) == len(second) == 1 and len(walk) - 2 == sum(" is the " not in ln for ln in walk)
+                (fa,), (fb,) = first, second
+                if asked:
+                    named += 1
+                    assert [label for _, label in asked] == [line_re.fullmatch(fa)[1], line_re.fullmatch(fb)[1]], (q, text)
+                else:
+                    generic += 1
+                    assert (fa, fb) == tuple(file_lines[:2]), (q, text)
+                a, b = int(line_re.fullmatch(fa)[2]), int(line_re.fullmatch(fb)[2])
+                op = "-" if re.search(r"minus|difference|[Ss]ubtract|more| - ", q) else "+"
+                assert rest.startswith(f"{a} {op} {b}."), text
+                assert f"= **{a + b if op == '+' else a - b}**" in t.response, (q, t.response)
+    assert named and generic
+
+
 def test_off_steps_by_place_list_the_reasoning_column_lines_with_thinking_off() -> None:
     """With --off-steps-by-place a thinking-off sum or difference lists, line for line, the
     column lines its high reasoning writes; the result line is unchanged, and so is the

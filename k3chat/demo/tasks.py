@@ -60,6 +60,11 @@ class TextStyle:
     # answers about a file; the one after it mostly names the right labels and takes the wrong
     # figure), and only then quotes the file's lines with those labels
     doc_labels_first: bool = False
+    # a question about a file is worked by reading the file's lines in the file's order, each
+    # copied whole, the two asked for marked where they stand ("Red,1 is the second number."):
+    # the wrong answers of the shipped model take a figure from the line at the quoted line's
+    # place in file order, so a walk in file order is the order they already follow
+    doc_walk: bool = False
     # a thinking-off answer lists the thinking-on column lines ("Tens: 3 - 5 is below zero, so
     # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
     # list ("13 - 5 = 8, borrow 1.") makes that decision with its very first id
@@ -704,6 +709,11 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
         # in the file): the same ids, label and number, in the reasoning and in the answer.
         quoted = f"{_doc_line(name, x, a)}\n{_doc_line(name, y, b)}"
         lead = f"The lines in the file\n{quoted}\nSo {a} {op} {b}."
+        if _STYLE.get().doc_walk:
+            marks = {i: " is the first number.", j: " is the second number."}
+            walk = "\n".join(_doc_line(name, label, value) + marks.get(k, "")
+                             for k, (label, value) in enumerate(rows))
+            lead = f"The file, line by line:\n{walk}\nSo {a} {op} {b}."
         if _STYLE.get().doc_labels_first:
             asks = f"{x} and {y}" if "{x}" in template else "the two numbers in the file"
             lead = f"The question asks for {asks}.\n{lead}"
