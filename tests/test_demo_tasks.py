@@ -320,17 +320,24 @@ def test_count_letter_alone_writes_the_letter_on_its_own_line_as_the_spelled_let
         assert make().reasoning["low"].startswith("Spell ")      # the default header is unchanged
 
 
+def _document_turns(style: tasks.TextStyle, seed: int, n: int = 200) -> list[tasks.Turn]:
+    """n questions about a file, written in ``style`` (the same questions for every style)."""
+    rng = random.Random(seed)
+    turns = []
+    for _ in range(n):
+        with tasks.text_style(style):
+            _, make = tasks.document(rng)
+            turns.append(make())
+    return turns
+
+
 def test_doc_labels_first_names_the_asked_labels_before_quoting_the_file() -> None:
     """With --doc-labels-first a question about a file is answered by first naming the labels
     it asks for (as the question writes them, when it does) and then the file's lines with
     those labels; the question, the answer and the default text are unchanged."""
     named = generic = 0
     for style in (tasks.TextStyle(), tasks.TextStyle(doc_labels_first=True)):
-        rng = random.Random(23)
-        for _ in range(200):
-            with tasks.text_style(style):
-                _, make = tasks.document(rng)
-                t = make()
+        for t in _document_turns(style, 23):
             q = t.question.rsplit("\n", 1)[-1]         # the question follows the attached file
             for effort, text in t.reasoning.items():
                 lines = text.splitlines()
@@ -358,11 +365,7 @@ def test_doc_walk_copies_the_file_in_order_and_marks_the_asked_lines() -> None:
     line_re = re.compile(r"(?:- )?([A-Z][a-z]*(?: [AB])?)[,:] ?(\d+)")
     named = generic = 0
     for style in (tasks.TextStyle(), tasks.TextStyle(doc_walk=True)):
-        rng = random.Random(29)
-        for _ in range(200):
-            with tasks.text_style(style):
-                _, make = tasks.document(rng)
-                t = make()
+        for t in _document_turns(style, 29):
             body = t.question.split("====\n", 1)[1].split("\n==== end of attachment", 1)[0]
             file_lines = [ln for ln in body.splitlines() if line_re.fullmatch(ln)]
             q = t.question.rsplit("\n", 1)[-1]
