@@ -86,7 +86,7 @@ _TRAIN_DEFAULTS: dict[str, Any] = {
     "threads": 2, "tie_embeddings": False, "copy_warmup": 0, "copy_mix": 0, "copy_mix_from": 0,
     "copy_mix_until": 0, "copy_words_only": False, "count_weight": 1.0, "sign_by_places": False, "mix": {},
     "count_decisions": False, "count_letter_alone": False, "doc_labels_first": False,
-    "off_steps_by_place": False, "doc_walk": False, "recall_mix": 0, "recall_mix_until": 0, "compile": False, "ffn_lr": 1.0}
+    "off_steps_by_place": False, "doc_walk": False, "off_share": 0.0, "recall_mix": 0, "recall_mix_until": 0, "compile": False, "ffn_lr": 1.0}
 
 
 def _readme_recipe(readme_text: str, out: str) -> tuple[dict[str, Any], str | None]:

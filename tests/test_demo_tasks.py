@@ -262,6 +262,20 @@ def test_a_moved_task_mix_changes_which_tasks_are_drawn() -> None:
     assert tasks.current_style() == tasks.TextStyle()     # the block restored the default
 
 
+def test_off_share_sets_how_often_thinking_is_off() -> None:
+    """--off-share F draws thinking off for a share F of the training conversations and the
+    three efforts alike for the rest; without it each of the four modes is a quarter."""
+    def modes_drawn(style: tasks.TextStyle) -> list[str]:
+        rng = random.Random(9)
+        with tasks.text_style(style):
+            return [tasks.training_conversation(rng).mode for _ in range(2000)]
+    default = modes_drawn(tasks.TextStyle())
+    assert all(abs(default.count(m) / 2000 - 0.25) < 0.04 for m in ("low", "high", "max", "off")), default
+    half = modes_drawn(tasks.TextStyle(off_share=0.5))
+    assert abs(half.count("off") / 2000 - 0.5) < 0.04
+    assert all(abs(half.count(m) / 2000 - 0.5 / 3) < 0.04 for m in ("low", "high", "max"))
+
+
 def _count_question(question: str) -> tuple[str, str]:
     """(letter, word) read from a counting question by regex, not by the generator."""
     m = (re.search(r"How many (\w)'s are in (\w+)\?", question)

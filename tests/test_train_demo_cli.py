@@ -37,6 +37,9 @@ from k3chat.demo import train
     (["--ffn-lr", "0"], "--ffn-lr must be a fraction of --lr above 0 and at most 1, not 0.0"),
     (["--ffn-lr", "1.5"], "--ffn-lr must be a fraction"),
     (["--ffn-lr", "nan"], "--ffn-lr must be a fraction"),
+    (["--off-share", "1"], "--off-share must be a fraction from 0 to below 1, not 1.0"),
+    (["--off-share", "-0.1"], "--off-share must be a fraction"),
+    (["--off-share", "nan"], "--off-share must be a fraction"),
 ])
 def test_bad_numbers_are_refused_with_the_rule(args: list[str], said: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

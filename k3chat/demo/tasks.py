@@ -69,6 +69,9 @@ class TextStyle:
     # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
     # list ("13 - 5 = 8, borrow 1.") makes that decision with its very first id
     off_steps_by_place: bool = False
+    # the share of training conversations with thinking off (0: the default draw, one mode in
+    # four, each mode alike); the weakest answers are thinking-off differences
+    off_share: float = 0.0
 
 
 _STYLE: ContextVar[TextStyle] = ContextVar("k3chat_demo_text_style", default=TextStyle())
@@ -835,7 +838,11 @@ def _pick_task(rng: random.Random) -> str:
 def training_conversation(rng: random.Random) -> Conversation:
     """One training conversation: a single question (most), a follow-up chain, or two
     unrelated questions in a row; every key on the training side of the split."""
-    mode = rng.choice(MODES)
+    off_share = _STYLE.get().off_share
+    if off_share:       # a draw of its own, so the default's draws stay the same
+        mode = "off" if rng.random() < off_share else rng.choice(EFFORTS)
+    else:
+        mode = rng.choice(MODES)
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.1 else None
     kind = rng.random()
     turns: list[Turn] = []

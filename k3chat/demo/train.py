@@ -315,7 +315,8 @@ class InitRefused(ValueError):
 
 
 # recipe keys newer than some saved states, with the value every run before them had
-RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False, "doc_walk": False,
+RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False,
+                                           "doc_walk": False, "off_share": 0.0,
                                            "recall_mix": 0, "recall_mix_until": 0, "compile": False,
                                            "ffn_lr": 1.0, "init_from": None}
 
@@ -325,7 +326,7 @@ INIT_SOURCE_KEYS = ("seed", "steps", "conversations", "batch_tokens", "lr", "fin
                     "copy_warmup", "copy_mix", "copy_mix_from", "copy_mix_until", "copy_words_only",
                     "count_weight", "recall_mix", "recall_mix_until", "compile", "ffn_lr", "sign_by_places",
                     "mix", "count_decisions", "count_letter_alone", "doc_labels_first", "off_steps_by_place",
-                    "doc_walk", "threads", "train_seconds", "train_seconds_total", "init_from")
+                    "doc_walk", "off_share", "threads", "train_seconds", "train_seconds_total", "init_from")
 
 
 def read_init_source(src: Path, out: Path) -> dict[str, Any]:
@@ -398,7 +399,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place,
-            "doc_walk": style.doc_walk}
+            "doc_walk": style.doc_walk, "off_share": style.off_share}
 
 
 def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
@@ -806,6 +807,10 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--mix", default="", metavar="TASK=WEIGHT,...",
                     help="training text: these weights replace the named tasks' default weights "
                          "among single-task conversations (an experiment; others keep theirs)")
+    ap.add_argument("--off-share", type=float, default=0.0, metavar="FRACTION",
+                    help="training text: this share of the conversations has thinking off, the rest "
+                         "the three efforts alike (default 0: every mode alike, a quarter each; an "
+                         "experiment)")
     ap.add_argument("--count-weight", type=float, default=1.0, metavar="W",
                     help="the loss on each counting decision (the id after a spelled letter: its "
                          "mark or its newline) weighs W ids (default 1; an experiment)")
@@ -853,6 +858,8 @@ def main(argv: Sequence[str]) -> int:
         bad.append(f"--final-lr must be a fraction of --lr from 0 to 1, not {args.final_lr}")
     if not 0 < args.ffn_lr <= 1:
         bad.append(f"--ffn-lr must be a fraction of --lr above 0 and at most 1, not {args.ffn_lr}")
+    if not 0 <= args.off_share < 1:
+        bad.append(f"--off-share must be a fraction from 0 to below 1, not {args.off_share}")
     if not 1 <= args.count_weight <= 1000:
         bad.append(f"--count-weight must be from 1 to 1000, not {args.count_weight}")
     if bad or not args.lr > 0:
@@ -872,7 +879,8 @@ def main(argv: Sequence[str]) -> int:
         except InitRefused as exc:
             print(f"k3chat train-demo: {exc}", file=sys.stderr)
             return 2
-    style = tasks.TextStyle(weights=weights, **{field: getattr(args, field) for field in TEXT_SWITCHES})
+    style = tasks.TextStyle(weights=weights, off_share=args.off_share,
+                            **{field: getattr(args, field) for field in TEXT_SWITCHES})
     if not args.record_only:
         try:
             with tasks.text_style(style):
