@@ -429,20 +429,21 @@ def _hash_all(model_dir: Path, work: list[tuple[FileReport, os.stat_result]],
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM stops the run like Ctrl-C: progress kept, exit 5."""
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
+def _signals_as_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the run with KeyboardInterrupt: progress kept, exit 5. SIGINT
+    is set explicitly too: Python keeps an inherited "ignore" (a job started in the
+    background by a shell without job control), and then Ctrl-C or kill -INT did nothing."""
+    old: dict[int, Any] = {}
     try:
-        old = signal.signal(signal.SIGTERM, interrupt)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, signal.default_int_handler)
     except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
+        pass
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def verify(model_dir: Path, manifest: Path | None = None, write_manifest: bool = False,
@@ -566,7 +567,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_verify(args: argparse.Namespace) -> int:
     """0 all well; 2 usage, or a shard missing or damaged; 1 a read failed; 5 interrupted."""
     try:
-        with _sigterm_as_interrupt():
+        with _signals_as_interrupt():
             rep = verify(Path(args.model_dir), args.manifest, args.write_manifest,
                          jobs=args.jobs)
     except KeyboardInterrupt:

@@ -220,9 +220,13 @@ def test_interrupted_run_resumes_without_rereading_verified_shards(
     assert not Path(rep["progress_file"]).exists()  # a completed run leaves no record
 
 
-def test_ctrl_c_exits_5_and_keeps_the_progress(model: Path, tmp_path: Path, home: Path) -> None:
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_exits_5_and_keeps_the_progress(model: Path, tmp_path: Path, home: Path,
+                                               inherited: signal.Handlers) -> None:
     """Beside the shards the manifest lists a 64 GiB sparse file, hashed last and for long
-    (SHA-256 is CPU-bound): SIGINT while it is hashed exits 5 with the shards recorded."""
+    (SHA-256 is CPU-bound): SIGINT while it is hashed exits 5 with the shards recorded. Also
+    when verify starts with SIGINT ignored, as a job a shell starts in the background does
+    (Python keeps an inherited "ignore"; a CI run that started so timed out here)."""
     manifest = sha256sum_file(model, tmp_path / "SHA256SUMS")
     big = model / "zz-large.bin"
     with open(big, "wb") as fh:
@@ -233,7 +237,7 @@ def test_ctrl_c_exits_5_and_keeps_the_progress(model: Path, tmp_path: Path, home
     proc = subprocess.Popen([sys.executable, "-m", "k3chat.cli", "verify", str(model),
                              "--manifest", str(manifest), "--jobs", "1"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp_path)
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     progress: Path | None = None
     deadline = time.monotonic() + 120
     verify_dir = home / "state" / "verify"
