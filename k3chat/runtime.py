@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 __all__ = ["Failure", "OpenedModel", "open_model", "model_directory", "memory_option", "StopPolicy", "SignalStops",
-           "say", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "EXIT_EXPERT_IO", "EXIT_INTERRUPTED"]
+           "one_at_a_time", "say", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "EXIT_EXPERT_IO", "EXIT_INTERRUPTED"]
 
 MAX_THREADS = 64  # the engine's pool limit
 
@@ -258,7 +259,10 @@ class StopPolicy:
         self._after_step: Callable[[], None] | None = None
         self._abort_step: Callable[[], None] | None = None
         self._exit_now = exit_now or _exit_interrupted
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler runs in the main thread between two bytecodes, so it may
+        # call request() while that same thread is inside bind() or request(). With a plain
+        # Lock it waited forever for itself, and the work it meant to stop ran on (a CI run).
+        self._lock = threading.RLock()
 
     def bind(self, *, after_step: Callable[[], None] | None = None,
              abort_step: Callable[[], None] | None = None) -> None:
@@ -299,6 +303,36 @@ class StopPolicy:
 
 def _exit_interrupted() -> None:
     os._exit(EXIT_INTERRUPTED)
+
+
+SignalHandler = Callable[[int, "FrameType | None"], None]
+
+
+def one_at_a_time(handler: SignalHandler) -> SignalHandler:
+    """The handler, made to finish one signal before it starts on the next.
+
+    Python runs a handler again inside itself when a second signal lands while the first is
+    handled (two quick Ctrl-Cs): the inner run would work on state the outer one has half
+    changed. Here the inner run only queues its signal and the outer run handles it next, so
+    each signal is handled once, whole, in arrival order. deque.append and popleft are single
+    C calls, so no signal can land inside one.
+    """
+    queued: deque[int] = deque()
+    busy = [False]
+
+    def run(signum: int, frame: FrameType | None) -> None:
+        queued.append(signum)
+        # The condition is checked again after busy drops: a signal that landed between the
+        # inner loop's last check and busy = False is still handled.
+        while queued and not busy[0]:
+            busy[0] = True
+            try:
+                while queued:
+                    handler(queued.popleft(), frame)
+            finally:
+                busy[0] = False
+
+    return run
 
 
 class SignalStops:
@@ -354,10 +388,11 @@ class SignalStops:
 
     def __enter__(self) -> SignalStops:
         if threading.current_thread() is threading.main_thread():
+            handler = one_at_a_time(self._handler)
             for name in self.SIGNALS:
                 sig = getattr(signal, name, None)
                 if sig is not None:
-                    self._old[sig] = signal.signal(sig, self._handler)
+                    self._old[sig] = signal.signal(sig, handler)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,10 +11,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from k3chat.runtime import ABORT_STEP, AFTER_STEP, NOW, Failure, StopPolicy, memory_option, open_model
+from k3chat.runtime import (ABORT_STEP, AFTER_STEP, NOW, Failure, SignalStops, StopPolicy, memory_option,
+                            one_at_a_time, open_model)
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 # ----------------------------------------------------------------------------- policy
@@ -46,6 +48,76 @@ def test_after_finish_a_request_changes_nothing_but_a_third_still_exits() -> Non
     policy.finish()
     assert policy.request() == 0 and calls == []
     assert policy.request() == NOW and calls == ["now"]
+
+
+class _SignalWhileHeld:
+    """Stands in for the policy's lock and sends this process SIGINT once it is held, so that
+    the handler runs inside the critical section, as a Ctrl-C landing there does. Waiting for
+    the real lock is bounded: a handler that waits for a lock its own thread holds fails the
+    test in 5 s instead of hanging it (the run --ids case in CI decoded on for 120 s)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed = True
+
+    def __enter__(self) -> _SignalWhileHeld:
+        if not self.inner.acquire(timeout=5):
+            raise AssertionError("deadlock: a signal handler waited for the lock its own thread holds")
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before this call returns
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.release()
+
+
+def _signal_stops(calls: list[str]) -> SignalStops:
+    return SignalStops(StopPolicy(exit_now=lambda: calls.append("now")))  # never os._exit in pytest
+
+
+def test_ctrl_c_while_the_work_is_being_bound_is_applied_not_deadlocked(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[str] = []
+    with _signal_stops(calls) as signals:
+        signals.policy._lock = _SignalWhileHeld(signals.policy._lock)  # type: ignore[assignment]
+        signals.policy.bind(after_step=lambda: calls.append("after"), abort_step=lambda: calls.append("abort"))
+    assert signals.requested.is_set() and signals.policy.level == AFTER_STEP
+    assert calls.count("after") >= 1 and "abort" not in calls and "now" not in calls
+    assert "stopping after the current step" in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_landing_inside_the_first_is_handled_after_it(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[str] = []
+    with _signal_stops(calls) as signals:
+        signals.policy.bind(after_step=lambda: calls.append("after"), abort_step=lambda: calls.append("abort"))
+        signals.policy._lock = _SignalWhileHeld(signals.policy._lock)  # type: ignore[assignment]
+        os.kill(os.getpid(), signal.SIGINT)  # the first; the lock sends the second while it is handled
+    assert signals.policy.level == ABORT_STEP and calls == ["after", "abort"]
+    err = capsys.readouterr().err
+    first, second = err.find("stopping after the current step"), err.find("aborting the current step")
+    assert 0 <= first < second, err
+
+
+def test_one_at_a_time_never_nests_a_handler_and_keeps_the_order() -> None:
+    seen: list[tuple[int, int]] = []
+    depth = [0]
+
+    def handler(signum: int, frame: object) -> None:
+        depth[0] += 1
+        seen.append((signum, depth[0]))
+        if len(seen) == 1:  # two more land while the first is handled
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        depth[0] -= 1
+
+    wrapped = one_at_a_time(handler)
+    old = {sig: signal.signal(sig, wrapped) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    assert seen == [(signal.SIGUSR2, 1), (signal.SIGUSR1, 1), (signal.SIGUSR2, 1)]
 
 
 def test_exit_codes_are_defined_once() -> None:

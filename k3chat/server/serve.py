@@ -29,7 +29,7 @@ from typing import Any
 from k3engine.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from k3engine.limits import positive_arg, speculative_arg
 
-from ..runtime import Failure, StopPolicy, open_model, say
+from ..runtime import Failure, StopPolicy, one_at_a_time, open_model, say
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -200,10 +200,11 @@ def _server_class() -> Any:
                 yield
                 return
             old = {}
+            handler = one_at_a_time(self.handle_exit)  # a second signal inside the first waits its turn
             for name in SIGNALS:
                 sig = getattr(signal, name, None)
                 if sig is not None:
-                    old[sig] = signal.signal(sig, self.handle_exit)
+                    old[sig] = signal.signal(sig, handler)
             try:
                 yield
             finally:
