@@ -65,9 +65,22 @@ def say(message: str) -> None:
     """One ``k3chat: ...`` status line on standard error, controls shown, never obeyed (the
     messages quote paths, names and engine text). A closed stderr is not an error: the exit
     code still says what happened."""
+    _to_stderr(for_terminal(f"k3chat: {message}") + "\n")
+
+
+def _to_stderr(text: str) -> None:
+    """Write to standard error from anywhere, a signal handler included. A handler may run
+    while its own thread is inside a write to sys.stderr (a write to a full pipe interrupted):
+    the buffered stream refuses the nested call with RuntimeError, so the text goes to the
+    descriptor directly."""
     try:
-        sys.stderr.write(for_terminal(f"k3chat: {message}") + "\n")
+        sys.stderr.write(text)
         sys.stderr.flush()
+    except RuntimeError:
+        try:
+            os.write(2, text.encode("utf-8", "replace"))
+        except OSError:
+            pass
     except (OSError, ValueError):
         pass
 
@@ -359,11 +372,7 @@ class SignalStops:
         return self.policy.requested
 
     def _write(self, text: str) -> None:
-        try:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+        _to_stderr(text)
 
     def _exit_now(self) -> None:
         self._write("\nk3chat: stopped at once\n")

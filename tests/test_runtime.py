@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from k3chat.runtime import (ABORT_STEP, AFTER_STEP, NOW, Failure, SignalStops, StopPolicy, memory_option,
-                            one_at_a_time, open_model)
+                            one_at_a_time, open_model, say)
 from k3engine.exit_codes import EXIT_EXPERT_IO, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 # ----------------------------------------------------------------------------- policy
@@ -118,6 +118,27 @@ def test_one_at_a_time_never_nests_a_handler_and_keeps_the_order() -> None:
         for sig, h in old.items():
             signal.signal(sig, h)
     assert seen == [(signal.SIGUSR2, 1), (signal.SIGUSR1, 1), (signal.SIGUSR2, 1)]
+
+
+def test_a_handler_interrupting_a_write_to_stderr_still_says_what_it_does(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    class InsideAWrite:  # what sys.stderr does when a handler runs inside its own write
+        def write(self, text: str) -> int:
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        def flush(self) -> None:
+            raise RuntimeError("reentrant call")
+
+    calls: list[str] = []
+    signals = _signal_stops(calls)
+    signals.policy.bind(abort_step=lambda: calls.append("abort"))
+    monkeypatch.setattr(sys, "stderr", InsideAWrite())
+    signals._handler(signal.SIGINT, None)
+    say("a status line")
+    monkeypatch.undo()
+    assert signals.policy.level == AFTER_STEP
+    err = capfd.readouterr().err
+    assert "stopping after the current step" in err and "k3chat: a status line" in err
 
 
 def test_exit_codes_are_defined_once() -> None:
