@@ -112,6 +112,7 @@ real = Session.feed
 SECONDS = float(sys.argv[1])
 def feed(self, ids, **kw):
     if len(ids) == 1:
+        print("driver: decode step", file=sys.stderr, flush=True)
         time.sleep(SECONDS)
     return real(self, ids, **kw)
 Session.feed = feed
@@ -139,9 +140,14 @@ def test_second_sigint_aborts_the_step_and_still_saves(tiny_dir: Path, home: Pat
     """First Ctrl-C: stop after the step in flight. Second: abort that step (the engine's
     cancel flag) and still save the partial answer, marked interrupted, then exit 5 promptly."""
     out = tmp_path / "r.json"
-    proc, _ = _slow_run(home, tmp_path, 0.4, "run", str(tiny_dir), "--prompt", "Hello there, how are you?",
-                        "--no-think", "--max-tokens", "500", "--threads", "1", "--json", str(out))
-    time.sleep(1.5)  # a few tokens are out; the next decode step is in flight
+    proc, lines = _slow_run(home, tmp_path, 0.4, "run", str(tiny_dir), "--prompt", "Hello there, how are you?",
+                            "--no-think", "--max-tokens", "500", "--threads", "1", "--json", str(out))
+    # Three tokens are out and the third decode step is in flight (counted, not slept for: a slow
+    # machine may still be prefilling after any fixed time).
+    deadline = time.monotonic() + 60
+    steps = 0
+    while steps < 3:
+        steps += "driver: decode step" in lines.get(timeout=max(0.1, deadline - time.monotonic()))
     proc.send_signal(signal.SIGINT)
     time.sleep(0.1)  # the step in flight is still running (0.4 s)
     t = time.monotonic()
