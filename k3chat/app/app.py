@@ -1122,15 +1122,17 @@ class K3ChatApp(App[int]):
             os._exit(EXIT_INTERRUPTED)
         self._closed = True
         self._quitting = True
-        if not self._job_done.is_set() and self.conv is not None and not self._stop.requested.is_set():
-            self._stop_turn()
 
         def finish() -> None:
             if self._job_done.wait(HANGUP_WAIT) and self.conv is not None:
                 self._save_state_quietly(self.conv)  # nobody to tell if it fails: the terminal is gone
             os._exit(EXIT_INTERRUPTED)
 
+        # The exit is armed first: this handler runs inside whatever the main thread was doing,
+        # and should the stop request below ever block there, the process still ends.
         threading.Thread(target=finish, name="k3chat-hangup", daemon=True).start()
+        if not self._job_done.is_set() and self.conv is not None and not self._stop.requested.is_set():
+            self._stop_turn()
 
     def _on_term_signal(self) -> None:
         self.call_later(self._save_and_quit, EXIT_INTERRUPTED)
