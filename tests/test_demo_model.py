@@ -86,7 +86,7 @@ _TRAIN_DEFAULTS: dict[str, Any] = {
     "threads": 2, "tie_embeddings": False, "copy_warmup": 0, "copy_mix": 0, "copy_mix_from": 0,
     "copy_mix_until": 0, "copy_words_only": False, "count_weight": 1.0, "sign_by_places": False, "mix": {},
     "count_decisions": False, "count_letter_alone": False, "doc_labels_first": False,
-    "off_steps_by_place": False, "doc_walk": False, "off_share": 0.0, "recall_mix": 0, "recall_mix_until": 0, "compile": False, "ffn_lr": 1.0}
+    "off_steps_by_place": False, "doc_walk": False, "doc_any_order": False, "off_share": 0.0, "recall_mix": 0, "recall_mix_until": 0, "compile": False, "ffn_lr": 1.0}
 
 
 def _readme_recipe(readme_text: str, out: str) -> tuple[dict[str, Any], str | None]:
@@ -167,6 +167,11 @@ def test_held_out_sample_meets_its_floor(engine: Any, tok: Tokenizer) -> None:
     # deterministic); the floor catches a broken engine or template, not a weak model.
     assert total / n >= 0.55, json.dumps(result["tasks"], indent=1)
     assert result["well_formed"] >= 0.95
+    # the split of questions about a file covers each of them once
+    split = result["document_by_file"]
+    doc = result["tasks"]["document"]
+    assert sum(row["n"] for row in split) == doc["n"]
+    assert round(sum(row["accuracy"] * row["n"] for row in split)) == round(doc["accuracy"] * doc["n"])
 
 
 def test_a_follow_up_builds_on_the_first_answer(engine: Any, tok: Tokenizer) -> None:

@@ -5,6 +5,7 @@ taken from the generator under test.
 """
 from __future__ import annotations
 
+import collections
 import random
 import re
 
@@ -409,6 +410,67 @@ def test_doc_walk_copies_the_file_in_order_and_marks_the_asked_lines() -> None:
                 assert rest.startswith(f"{a} {op} {b}."), text
                 assert f"= **{a + b if op == '+' else a - b}**" in t.response, (q, t.response)
     assert named and generic
+
+
+def test_doc_any_order_asks_in_either_order_and_quotes_each_label_with_its_own_figure() -> None:
+    """With --doc-any-order a question about a file names its labels in either order, about a
+    file of 2 to 4 lines, and the reasoning quotes each asked label with that label's figure as
+    the file (read here from the question's attachment) gives it; a question that names no label
+    only asks about a 2-line file in its order. A training-side sum is never a held-out sum
+    asked the other way round, and the default text keeps the file's order for 2-line sums."""
+    line_re = re.compile(r"(?:- )?([A-Z][a-z]*(?: [AB])?)[,:] ?(\d+)")
+    seen: dict[bool, collections.Counter[tuple[int, bool]]] = {}
+    for style in (tasks.TextStyle(), tasks.TextStyle(doc_any_order=True)):
+        counts: collections.Counter[tuple[int, bool]] = collections.Counter()
+        for t in _document_turns(style, 31, 400):
+            body = t.question.split("====\n", 1)[1].split("\n==== end of attachment", 1)[0]
+            figures = {m[1]: int(m[2]) for ln in body.splitlines() if (m := line_re.fullmatch(ln))}
+            order = list(figures)
+            q = t.question.rsplit("\n", 1)[-1]
+            quoted = t.reasoning["low"].splitlines()[1:3]
+            (x, a), (y, b) = [(m[1], int(m[2])) for m in map(line_re.fullmatch, quoted) if m]
+            assert (a, b) == (figures[x], figures[y]), (body, q, quoted)
+            named = x in q and y in q
+            if named:
+                assert q.find(x) < q.find(y), (q, quoted)       # quoted in the question's order
+            else:
+                assert len(order) == 2 and (x, y) == tuple(order), (body, q, quoted)
+            counts[len(order), order.index(x) < order.index(y)] += 1
+            if style.doc_any_order and "+" in t.key.rsplit(":", 1)[1]:
+                head = t.key.rsplit(":", 1)[0]
+                if not tasks.held_out(t.key):
+                    assert not tasks.held_out(f"{head}:{y}+{x}"), t.key
+        seen[style.doc_any_order] = counts
+    default, any_order = seen[False], seen[True]
+    assert not any(n == 4 for n, _ in default) and any_order[4, True] and any_order[4, False]
+    # the default names a 2-line file's labels in the file's order three times in four; here half
+    assert default[2, True] > 2 * default[2, False]
+    assert 0.35 < any_order[2, False] / (any_order[2, False] + any_order[2, True]) < 0.65
+
+
+def test_document_file_kind_counts_lines_and_whether_the_file_order_answers() -> None:
+    """eval-demo's split of questions about a file: worked by hand on keys, then checked against
+    the held-out questions themselves, read from the attached file and the expected answer."""
+    assert tasks.document_file_kind("document:a.txt:Apples=34:Pears=12:Apples+Pears") == (2, True)
+    assert tasks.document_file_kind("document:a.txt:Apples=34:Pears=12:Pears+Apples") == (2, True)
+    assert tasks.document_file_kind("document:a.txt:Apples=3:Pears=12:Pears-Apples") == (2, False)
+    assert tasks.document_file_kind("document:data.csv:Orders=72:Costs=47:Blue=3:Costs-Blue") == (3, False)
+    assert tasks.document_file_kind("document:s.md:Team A=5:Red=9:Blue=4:Red+Team A") == (3, True)
+    assert tasks.document_file_kind("document:s.md:Team A=5:Red=9:Blue=4:Red+Blue") == (3, False)
+    line_re = re.compile(r"(?:- )?([A-Z][a-z]*(?: [AB])?)[,:] ?(\d+)")
+    rng = random.Random(41)
+    kinds: collections.Counter[tuple[int, bool]] = collections.Counter()
+    for _ in range(300):
+        t = tasks.eval_conversation(rng, "document", "low").turns[0]
+        body = t.question.split("====\n", 1)[1].split("\n==== end of attachment", 1)[0]
+        figures = [int(m[2]) for ln in body.splitlines() if (m := line_re.fullmatch(ln))]
+        q = t.question.rsplit("\n", 1)[-1]
+        minus = re.search(r"minus|difference|[Ss]ubtract|more| - ", q) is not None
+        by_order = figures[0] - figures[1] if minus else figures[0] + figures[1]
+        kind = tasks.document_file_kind(t.key)
+        assert kind == (len(figures), by_order == t.value), (t.key, body, q)
+        kinds[kind] += 1
+    assert len(kinds) == 4       # every kind is asked
 
 
 def test_off_steps_by_place_list_the_reasoning_column_lines_with_thinking_off() -> None:

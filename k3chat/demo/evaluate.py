@@ -27,7 +27,8 @@ from k3chat.tokenizer import Tokenizer
 from k3engine.limits import positive_arg
 
 from . import model_dir as demo_model_dir
-from .tasks import EVAL_TASKS, MODES, Conversation, eval_conversation, extract_answer, is_correct, thinking_of
+from .tasks import (EVAL_TASKS, MODES, Conversation, document_file_kind, eval_conversation, extract_answer,
+                    is_correct, thinking_of)
 
 EVAL_SEED = 7_000_001
 MAX_NEW = 600
@@ -128,6 +129,7 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
     rng = random.Random(seed)
     tallies = {t: Tally() for t in tasks}
     failures: list[dict[str, Any]] = []
+    by_file: dict[tuple[int, bool], list[int]] = {}   # questions about a file: (lines, order answers) -> [right, n]
     formed = [0, 0]
     generated = 0
     t0 = time.perf_counter()
@@ -144,6 +146,10 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
                     o, t = outcomes[i], conv.turns[i]
                     ok = o.well_formed and is_correct(t, o.content)
                     tallies[task].add(mode, ok)
+                    if t.task == "document":
+                        slot = by_file.setdefault(document_file_kind(t.key), [0, 0])
+                        slot[0] += ok
+                        slot[1] += 1
                     if not ok:
                         failures.append({"task": task, "mode": mode, "question": t.question,
                                          "expected": t.accept[0], "got": extract_answer(t, o.content),
@@ -160,6 +166,8 @@ def evaluate(model: Any, tokenizer: Tokenizer, *, per_task: int, modes: Sequence
                   for t, tl in tallies.items()},
         "well_formed": formed[0] / formed[1] if formed[1] else 0.0,
         "failures": failures,
+        "document_by_file": [{"lines": lines, "file_order_answers": order, "accuracy": r / n, "n": n}
+                             for (lines, order), (r, n) in sorted(by_file.items())],
         "well_formed_ci95": list(wilson_interval(formed[0], formed[1])),
         "turns": formed[1],
         "generated_tokens": generated,
@@ -183,6 +191,14 @@ def format_table(result: dict[str, Any]) -> str:
                  f"(95% CI {100 * lo:.1f}-{100 * hi:.1f}%); "
                  f"{result['generated_tokens']:,} tokens in {result['seconds']:.0f} s")
     lines.append("95% CI: the Wilson interval of each share, from the number of questions alone")
+    if result.get("document_by_file"):
+        lines.append("questions about a file, by file (\"in order\": the file's first two figures, taken in "
+                     "its order, give the answer,")
+        lines.append("  so a model that takes figures by their place rather than their label is right on those alone):")
+        for row in result["document_by_file"]:
+            kind = f"{row['lines']} lines, {'in order' if row['file_order_answers'] else 'other'}"
+            right = round(row["accuracy"] * row["n"])
+            lines.append(f"  {kind:20s}{right:5d}/{row['n']:<5d}{100 * row['accuracy']:6.1f}%")
     return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ HELD_OUT_MOD = 10
 class TextStyle:
     """How the training text is written. The default is the text the shipped demo was trained
     on, bit for bit; the options are experiments of ``train-demo`` (they change the reasoning
-    and the task mix, never a question, a key or an accepted answer, so evaluation is the same)."""
+    and the task mix, never an accepted answer; evaluation draws its questions in the default
+    style, so it asks the same questions of every model)."""
 
     # subtraction first compares a and b place by place, in the very lines `compare` writes,
     # and states its sign from that verdict ("706 >= 343."), instead of a bare claim
@@ -65,6 +66,12 @@ class TextStyle:
     # the wrong answers of the shipped model take a figure from the line at the quoted line's
     # place in file order, so a walk in file order is the order they already follow
     doc_walk: bool = False
+    # a question about a file names its two labels in either order and its file has 2 to 4
+    # lines: the default text names them in the file's order for three quarters of its 2-line
+    # files (a sum always, a difference when the first figure is the larger), and the shipped
+    # model answers 91% of held-out 2-line questions where taking the figures by the file's
+    # order gives the right answer, 49% of the others and 20% of 3-line files
+    doc_any_order: bool = False
     # a thinking-off answer lists the thinking-on column lines ("Tens: 3 - 5 is below zero, so
     # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
     # list ("13 - 5 = 8, borrow 1.") makes that decision with its very first id
@@ -693,19 +700,23 @@ def _doc_text(name: str, rows: list[tuple[str, int]]) -> str:
 def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
     """Arithmetic on two figures of an attached file, named by their labels."""
     op = rng.choice("+-")
+    any_order = _STYLE.get().doc_any_order
     name = rng.choice(_DOC_NAMES)
-    labels = rng.sample(DOC_LABELS, rng.choice((2, 2, 3)))
+    labels = rng.sample(DOC_LABELS, rng.choice((2, 3, 3, 4) if any_order else (2, 2, 3)))
     values = [_rand_n(rng, rng.choice((1, 2, 2))) for _ in labels]
-    i, j = rng.sample(range(len(labels)), 2) if len(labels) > 2 else (0, 1)
+    i, j = rng.sample(range(len(labels)), 2) if any_order or len(labels) > 2 else (0, 1)
     if op == "-" and values[i] < values[j]:
         i, j = j, i
     x, y, a, b = labels[i], labels[j], values[i], values[j]
     rows = list(zip(labels, values))
-    key = f"document:{name}:" + ":".join(f"{label}={value}" for label, value in rows) + f":{x}{op}{y}"
+    head = f"document:{name}:" + ":".join(f"{label}={value}" for label, value in rows)
+    key = f"{head}:{x}{op}{y}"
+    if any_order and op == "+" and held_out(f"{head}:{y}+{x}"):
+        key = f"{head}:{y}+{x}"   # the same sum asked the other way round: on the held-out side too
 
     def make() -> Turn:
         # "the two numbers" only when there are two; "the first" only when it is the first
-        generic = len(rows) == 2 and (op == "+" or (i, j) == (0, 1))
+        generic = len(rows) == 2 and ((op == "+" and not any_order) or (i, j) == (0, 1))
         template = rng.choice([q for q in _DOC_Q[op] if generic or "{x}" in q])
         q = template.format(name=name, x=x, y=y)
         # The two lines are quoted as the file has them, each after a newline of its own (as
@@ -728,6 +739,22 @@ def document(rng: random.Random) -> tuple[str, Callable[[], Turn]]:
                     off_response=f"{block}\n\n{off}")
 
     return key, make
+
+
+def document_file_kind(key: str) -> tuple[int, bool]:
+    """For a question about a file, from its key: how many figure lines the file has, and
+    whether its first two figures, taken in the file's order, give the asked result. A model
+    that takes figures by their place in the file rather than by label is right on those alone
+    (EXPERIMENTS.md: the shipped model's misses are of that kind)."""
+    head, asked = key.rsplit(":", 1)
+    rows = [part.split("=", 1) for part in head.split(":")[2:]]
+    figures = {label: int(value) for label, value in rows}
+    op = "+" if "+" in asked else "-"
+    x, y = asked.split(op)
+    first, second = int(rows[0][1]), int(rows[1][1])
+    if op == "+":
+        return len(rows), first + second == figures[x] + figures[y]
+    return len(rows), first - second == figures[x] - figures[y]
 
 
 def _file_of_held_out_question(name: str, rows: list[tuple[str, int]]) -> bool:

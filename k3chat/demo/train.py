@@ -316,7 +316,7 @@ class InitRefused(ValueError):
 
 # recipe keys newer than some saved states, with the value every run before them had
 RECIPE_KEYS_ADDED_LATER: dict[str, Any] = {"doc_labels_first": False, "off_steps_by_place": False,
-                                           "doc_walk": False, "off_share": 0.0,
+                                           "doc_walk": False, "off_share": 0.0, "doc_any_order": False,
                                            "recall_mix": 0, "recall_mix_until": 0, "compile": False,
                                            "ffn_lr": 1.0, "init_from": None}
 
@@ -326,7 +326,7 @@ INIT_SOURCE_KEYS = ("seed", "steps", "conversations", "batch_tokens", "lr", "fin
                     "copy_warmup", "copy_mix", "copy_mix_from", "copy_mix_until", "copy_words_only",
                     "count_weight", "recall_mix", "recall_mix_until", "compile", "ffn_lr", "sign_by_places",
                     "mix", "count_decisions", "count_letter_alone", "doc_labels_first", "off_steps_by_place",
-                    "doc_walk", "off_share", "threads", "train_seconds", "train_seconds_total", "init_from")
+                    "doc_walk", "doc_any_order", "off_share", "threads", "train_seconds", "train_seconds_total", "init_from")
 
 
 def read_init_source(src: Path, out: Path) -> dict[str, Any]:
@@ -399,7 +399,7 @@ def run_recipe(*, steps: int, seed: int, conversations: int, batch_tokens: int, 
             "sign_by_places": style.sign_by_places, "mix": dict(style.weights),
             "count_decisions": style.count_decisions, "count_letter_alone": style.count_letter_alone,
             "doc_labels_first": style.doc_labels_first, "off_steps_by_place": style.off_steps_by_place,
-            "doc_walk": style.doc_walk, "off_share": style.off_share}
+            "doc_walk": style.doc_walk, "doc_any_order": style.doc_any_order, "off_share": style.off_share}
 
 
 def load_resume_state(torch: Any, state_path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
@@ -746,6 +746,9 @@ TEXT_SWITCHES: dict[str, str] = {
                         "the question, then quotes the file's lines (an experiment)",
     "doc_walk": "a question about a file is worked by copying the file's lines in order, marking the "
                 "two it asks for where they stand, then the arithmetic (an experiment)",
+    "doc_any_order": "a question about a file names its two labels in either order, about a file "
+                     "of 2 to 4 lines, so that taking the figures in the file's order is no longer "
+                     "right for most of them (an experiment)",
     "off_steps_by_place": "a thinking-off sum or difference lists the column lines the reasoning "
                           "writes (place, digits, then the borrow), an experiment",
 }
