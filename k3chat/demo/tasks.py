@@ -39,8 +39,9 @@ HELD_OUT_MOD = 10
 
 @dataclass(frozen=True)
 class TextStyle:
-    """How the training text is written. The default is the text the shipped demo was trained
-    on, bit for bit; the options are experiments of ``train-demo`` (they change the reasoning
+    """How the training text is written. The default is the text of the shipped demo's first
+    run, bit for bit (its later runs add options: README's retrain command); the options are
+    experiments of ``train-demo`` (they change the reasoning
     and the task mix, never an accepted answer; evaluation draws its questions in the default
     style, so it asks the same questions of every model)."""
 
@@ -68,9 +69,9 @@ class TextStyle:
     doc_walk: bool = False
     # a question about a file names its two labels in either order and its file has 2 to 4
     # lines: the default text names them in the file's order for three quarters of its 2-line
-    # files (a sum always, a difference when the first figure is the larger), and the shipped
-    # model answers 91% of held-out 2-line questions where taking the figures by the file's
-    # order gives the right answer, 49% of the others and 20% of 3-line files
+    # files (a sum always, a difference when the first figure is the larger), and the model
+    # shipped until 2026-12-08 answered 91% of held-out 2-line questions where taking the figures
+    # by the file's order gives the right answer, 49% of the others and 20% of 3-line files
     doc_any_order: bool = False
     # a thinking-off answer lists the thinking-on column lines ("Tens: 3 - 5 is below zero, so
     # borrow 10: 13 - 5 = 8. Write 8."): the digits come before the borrow, where the compact
